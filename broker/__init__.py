@@ -1,0 +1,47 @@
+"""prompt-broker: carries a coding agent's mid-turn questions to a person and the answer back.
+
+The front door: everything a caller needs is importable from here.
+"""
+
+from broker.answers import map_text, render_content, verdict
+from broker.client import LIMITS, Broker
+from broker.errors import (
+    BadItem,
+    BrokerClosed,
+    BrokerError,
+    Fenced,
+    PromptCancelled,
+    PromptNotFound,
+    PromptUnavailable,
+    StaleAnswer,
+)
+from broker.keys import Keys
+from broker.models import Answer, Item, Kind, Option, Prompt, PromptState, Question, Routed
+from broker.settings import Settings
+
+__all__ = [
+    "LIMITS",
+    "Answer",
+    "BadItem",
+    "Broker",
+    "BrokerClosed",
+    "BrokerError",
+    "Fenced",
+    "Item",
+    "Keys",
+    "Kind",
+    "Option",
+    "Prompt",
+    "PromptCancelled",
+    "PromptNotFound",
+    "PromptState",
+    "PromptUnavailable",
+    "Question",
+    "Routed",
+    "Settings",
+    "StaleAnswer",
+    "map_text",
+    "render_content",
+    "verdict",
+]
+__version__ = "0.1.0"

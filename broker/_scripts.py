@@ -1,0 +1,75 @@
+"""The Lua scripts: loaded once per server, called by SHA, reloaded when the server forgot them.
+
+Each script lives in `broker/lua/<name>.lua` with its KEYS, ARGV and replies documented at the
+top; `_lib.lua` is prepended to each (Redis has no `require`). We call EVALSHA ourselves rather
+than through redis-py's `Script`, because a pipeline holding a `Script` first asks SCRIPT EXISTS:
+one more round trip on every call of the hot path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import NoScriptError, ResponseError
+
+__all__ = ["NAMES", "Script", "Scripts"]
+
+NAMES = ("ask", "route", "cancel", "deliver", "audit", "enqueue")
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    name: str
+    source: str
+    sha: str
+
+
+def _load(name: str) -> Script:
+    lua = resources.files("broker") / "lua"
+    source = (lua / "_lib.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+    return Script(name, source, hashlib.sha1(source.encode()).hexdigest())  # noqa: S324 - Redis's id
+
+
+class Scripts:
+    """Typed access to every script, for one Redis client."""
+
+    def __init__(self) -> None:
+        self.by_name = {name: _load(name) for name in NAMES}
+
+    async def call(self, redis: Redis, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Run one script; if the server lost it (a restart, SCRIPT FLUSH), load it and run again."""
+        script = self.by_name[name]
+        try:
+            return await redis.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[misc]
+        except NoScriptError:
+            await redis.script_load(script.source)  # type: ignore[no-untyped-call]
+            return await redis.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[misc]
+
+    def queue(self, pipe: Pipeline, name: str, keys: list[str], args: list[Any]) -> None:
+        """Add a script call to a pipeline; `run_pipeline` retries it if the server lost it."""
+        script = self.by_name[name]
+        pipe.evalsha(script.sha, len(keys), *keys, *args)
+
+    async def run_pipeline(self, redis: Redis, pipe: Pipeline) -> list[Any]:
+        """Execute a non-transactional pipeline of script calls and plain commands.
+
+        A NOSCRIPT reply means that script did not run at all, so loading it and running that
+        call again (in order) is exactly what the pipeline meant. Any other error is raised.
+        """
+        stack = list(pipe.command_stack)
+        results: list[Any] = await pipe.execute(raise_on_error=False)
+        for i, result in enumerate(results):
+            if isinstance(result, NoScriptError):
+                args = stack[i][0]
+                sha = args[1]
+                script = next(s for s in self.by_name.values() if s.sha == sha)
+                await redis.script_load(script.source)  # type: ignore[no-untyped-call]
+                results[i] = await redis.evalsha(*args[1:])  # type: ignore[misc]
+            elif isinstance(result, ResponseError | OSError):
+                raise result
+        return results

@@ -1,0 +1,593 @@
+"""The `Broker`: ask a person, wait for the answer, route what people post, cancel, inspect."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import orjson
+from arq.constants import job_key_prefix, result_key_prefix
+from arq.jobs import serialize_job
+from pydantic import BaseModel, ValidationError
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+from ulid import ULID
+
+from broker import _codec
+from broker._scripts import Scripts
+from broker._waiter import Waiter, Wake
+from broker.answers import check_structured, matchers, prepare
+from broker.errors import (
+    BadItem,
+    BrokerClosed,
+    Fenced,
+    PromptCancelled,
+    PromptNotFound,
+    PromptUnavailable,
+    StaleAnswer,
+)
+from broker.keys import Keys, ThreadKeys, check_prompt_id
+from broker.models import KINDS, Answer, Item, Kind, Prompt, Question, Routed
+from broker.settings import Settings
+
+__all__ = ["AUDIT_JOB", "LIMITS", "Broker"]
+
+logger = logging.getLogger("broker")
+
+#: The arq function that posts a prompt's `pending_prompt_resolved` item (workers/audit.py).
+AUDIT_JOB = "post_resolution"
+
+#: Documented input limits: past them a call raises `BadItem` and writes nothing.
+LIMITS = {
+    "item_bytes": 64 * 1024,  # an item's content and metadata, as JSON
+    "questions": 20,  # questions in one prompt
+    "options": 50,  # options in one question
+    "author_chars": 128,
+}
+
+_RESERVED_TYPES = frozenset(
+    {"pending_prompt", "pending_prompt_resolved", "approval_granted", "policy_denied"}
+)
+_ITEM_KEYS = frozenset({"content", "metadata", "author"})
+_AUDIT_EXPIRES_MS = 86_400_000
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{ULID()}"
+
+def _ms(stream_id_or_ms: str) -> int:
+    return int(stream_id_or_ms.partition("-")[0])
+
+class Broker:
+    """The front door to prompts on Redis. Use it as an async context manager::
+
+        async with Broker.from_url("redis://localhost:6379/0") as broker:
+            prompt = await broker.ask("thread-1", "approval", [question])
+            answers = await broker.wait("thread-1", prompt.prompt_id)
+
+    One Broker holds one connection pool and at most one pub/sub connection, however many
+    waits are open. `epoch` arguments fence a call to a replica's lease on the thread.
+    """
+
+    def __init__(
+        self,
+        redis: Redis,
+        settings: Settings | None = None,
+        *,
+        owns_client: bool = False,
+    ) -> None:
+        kwargs = redis.connection_pool.connection_kwargs
+        if not kwargs.get("decode_responses"):
+            raise BadItem("redis", "the client must be made with decode_responses=True")
+        self.settings = settings or Settings()
+        self.redis = redis
+        self.keys = Keys(self.settings.key_prefix)
+        self.identity = self.settings.identity
+        self._owns_client = owns_client
+        self._scripts = Scripts()
+        self._waiter = Waiter(redis, self._read_wakes, self.settings.sweep_interval)
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str | None = None, settings: Settings | None = None) -> Broker:
+        """A Broker on its own connection pool; `url` defaults to the settings' `redis_url`."""
+        settings = settings or Settings.from_env()
+        client = Redis.from_url(url or settings.redis_url, decode_responses=True)
+        return cls(client, settings, owns_client=True)
+
+    async def __aenter__(self) -> Self:
+        self._check_open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the pub/sub connection (open waits are cancelled) and, if owned, the pool."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._waiter.aclose()
+        if self._owns_client:
+            await self.redis.aclose()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BrokerClosed
+
+    def thread(self, thread_id: str) -> ThreadKeys:
+        return self.keys.thread(thread_id)
+
+    # -- asking ----------------------------------------------------------------------------
+
+    async def ask(
+        self,
+        thread_id: str,
+        kind: str,
+        questions: Sequence[Question | Mapping[str, Any]],
+        *,
+        epoch: int | None = None,
+    ) -> Prompt:
+        """Post a `pending_prompt` item and make it the thread's active prompt.
+
+        A prompt already active on the thread is cancelled `superseded` in the same step.
+        Raises `BadItem` for bad input (nothing written), `PromptUnavailable` when Redis cannot
+        take it (the question was not delivered; nobody refused), `Fenced` for a stale epoch.
+        """
+        self._check_open()
+        tk = self.thread(thread_id)
+        checked_kind, qs = _check_prompt(kind, questions)
+        prompt_id, item_id = _new_id("prm"), _new_id("itm")
+        body = _codec.pending_body(prompt_id, checked_kind, qs)
+        _check_size(body, "questions")
+        questions_json = orjson.dumps([q.wire() for q in qs])
+        try:
+            generation = await self._waiter.subscribe(tk.wake, thread_id)
+            pipe = self.redis.pipeline(transaction=False)
+            self._scripts.queue(
+                pipe,
+                "ask",
+                [tk.items, tk.active, tk.prompt(prompt_id), tk.session],
+                [prompt_id, item_id, self.identity, body, checked_kind, questions_json,
+                 orjson.dumps(matchers(qs)), _epoch(epoch), tk.base, tk.wake],
+            )
+            pipe.zadd(self.keys.open, {self.keys.member(thread_id, prompt_id): ULID().milliseconds})
+            (status, sid_or_epoch, superseded), _ = await self._scripts.run_pipeline(
+                self.redis, pipe
+            )
+        except (RedisError, OSError) as e:
+            return await self._ask_outcome_unknown(tk, prompt_id, e)
+        if status == "fenced":
+            await self.redis.zrem(self.keys.open, self.keys.member(thread_id, prompt_id))
+            raise Fenced(thread_id, epoch or 0, int(sid_or_epoch) if sid_or_epoch else None)
+        self._waiter.expect(prompt_id, tk.wake, generation)
+        if superseded:
+            await self._after_cancel(thread_id, superseded)
+        logger.info(
+            "prompt.asked",
+            extra={"thread_id": thread_id, "prompt_id": prompt_id, "kind": checked_kind,
+                   "superseded": superseded or None},
+        )
+        return Prompt(
+            prompt_id=prompt_id,
+            thread_id=thread_id,
+            kind=checked_kind,
+            questions=qs,
+            state="pending",
+            item_id=item_id,
+            created_at=_codec.sid_datetime(sid_or_epoch),
+        )
+
+    async def _ask_outcome_unknown(
+        self, tk: ThreadKeys, prompt_id: str, error: BaseException
+    ) -> Prompt:
+        """The ask failed in flight: it may or may not have been committed. Read it back once."""
+        try:
+            return await self.get_prompt(tk.thread_id, prompt_id)
+        except PromptNotFound:
+            pass
+        except (RedisError, OSError):
+            pass
+        logger.warning("prompt.unavailable", extra={"thread_id": tk.thread_id, "error": repr(error)})
+        raise PromptUnavailable(tk.thread_id, error) from error
+
+    # -- waiting ---------------------------------------------------------------------------
+
+    async def wait(
+        self,
+        thread_id: str,
+        prompt_id: str,
+        timeout: float | None = None,
+        *,
+        epoch: int | None = None,
+    ) -> list[Answer]:
+        """Wait for the person's answer and return it; the agent now has it.
+
+        Raises `PromptCancelled` (with the reason) if the prompt was cancelled or superseded,
+        `TimeoutError` after `timeout` seconds (the prompt stays open), `PromptNotFound`, and
+        `Fenced` if `epoch` is no longer the thread's (another replica delivers instead).
+        """
+        self._check_open()
+        tk = self.thread(thread_id)
+        check_prompt_id(prompt_id)
+        async with asyncio.timeout(timeout):
+            wake = await self._waiter.wait(thread_id, prompt_id, tk.wake)
+        if wake["state"] == "missing":
+            raise PromptNotFound(thread_id, prompt_id)
+        if wake["state"] == "cancelled":
+            raise PromptCancelled(prompt_id, wake.get("reason") or "")
+        answers = [Answer.model_validate(a) for a in wake["answers"]]
+        await self._deliver(tk, prompt_id, epoch)
+        return answers
+
+    async def _deliver(self, tk: ThreadKeys, prompt_id: str, epoch: int | None) -> None:
+        """Mark the answer delivered and enqueue its audit job, in one round trip."""
+        member = self.keys.member(tk.thread_id, prompt_id)
+        pipe = self.redis.pipeline(transaction=False)
+        self._scripts.queue(pipe, "deliver", [tk.prompt(prompt_id), tk.session], [_epoch(epoch)])
+        pipe.zrem(self.keys.open, member)
+        pipe.zadd(self.keys.audit, {member: ULID().milliseconds})
+        self._queue_audit_job(pipe, tk.thread_id, prompt_id)
+        (status, value), *_ = await self._scripts.run_pipeline(self.redis, pipe)
+        if status == "fenced":
+            raise Fenced(tk.thread_id, epoch or 0, int(value) if value else None)
+        logger.info(
+            "prompt.delivered",
+            extra={"thread_id": tk.thread_id, "prompt_id": prompt_id, "first": status == "delivered"},
+        )
+
+    def _queue_audit_job(self, pipe: Any, thread_id: str, prompt_id: str) -> None:
+        """arq's enqueue_job, as one script in `pipe`: one job per prompt, whoever enqueues."""
+        job_id = self.keys.audit_job_id(thread_id, prompt_id)
+        now = ULID().milliseconds
+        job = serialize_job(AUDIT_JOB, (thread_id, prompt_id), {}, None, now)
+        self._scripts.queue(
+            pipe,
+            "enqueue",
+            [job_key_prefix + job_id, result_key_prefix + job_id, self.keys.audit_queue],
+            [job_id, job, _AUDIT_EXPIRES_MS, now],
+        )
+
+    async def enqueue_audit(self, thread_id: str, prompt_id: str) -> bool:
+        """Enqueue a prompt's audit job (idempotent); True if it was not already queued."""
+        pipe = self.redis.pipeline(transaction=False)
+        self._queue_audit_job(pipe, thread_id, prompt_id)
+        (queued,) = await self._scripts.run_pipeline(self.redis, pipe)
+        return bool(queued)
+
+    async def _read_wakes(self, pairs: list[tuple[str, str]]) -> dict[str, Wake]:
+        """The waiter's reader: the resolved prompts among `pairs`, as wake messages."""
+        pipe = self.redis.pipeline(transaction=False)
+        for thread_id, prompt_id in pairs:
+            pipe.hmget(self.thread(thread_id).prompt(prompt_id), "state", "answers", "reason")
+        wakes: dict[str, Wake] = {}
+        for (_, prompt_id), (state, answers, reason) in zip(
+            pairs, await pipe.execute(), strict=True
+        ):
+            if state == "answered":
+                wakes[prompt_id] = {"prompt_id": prompt_id, "state": state,
+                                    "answers": orjson.loads(answers)}
+            elif state == "cancelled":
+                wakes[prompt_id] = {"prompt_id": prompt_id, "state": state, "reason": reason}
+            elif state is None:
+                wakes[prompt_id] = {"prompt_id": prompt_id, "state": "missing"}
+        return wakes
+
+    # -- routing what people post ------------------------------------------------------------
+
+    async def post_item(self, thread_id: str, item: Mapping[str, Any] | BaseModel) -> Routed:
+        """Add an item to the thread and route it, atomically: it answers the active prompt, or
+        is queued for the next turn, or (naming a prompt that is not active) raises
+        `StaleAnswer` with that prompt's real state and writes nothing.
+
+        Items whose author is the broker's identity are only added (`outcome="posted"`).
+        """
+        self._check_open()
+        tk = self.thread(thread_id)
+        p = _check_item(item, self.identity)
+        item_id = _new_id("itm")
+        status, *rest = await self._scripts.call(
+            self.redis,
+            "route",
+            [tk.items, tk.active, tk.inbox],
+            [item_id, p.author, p.type, p.body, "self" if p.is_self else "user", p.named,
+             p.structured, p.refusal, p.prepared, tk.base, tk.wake],
+        )
+        if status == "stale":
+            state, active = rest
+            raise StaleAnswer(thread_id, p.named, state, active or None)
+        if status == "bad":
+            raise BadItem("metadata.answers" if p.structured or p.refusal else "content", rest[0])
+        if status != "answered":
+            return Routed(outcome=status, item_id=item_id)
+        _, prompt_id, answers, source, refusal = rest
+        logger.info(
+            "prompt.answered",
+            extra={"thread_id": thread_id, "prompt_id": prompt_id, "source": source},
+        )
+        return Routed(
+            outcome="answered",
+            item_id=item_id,
+            prompt_id=prompt_id,
+            answers=[Answer.model_validate(a) for a in orjson.loads(answers)],
+            source=source,
+            refused_answers=refusal or None,
+        )
+
+    # -- cancelling --------------------------------------------------------------------------
+
+    async def cancel(
+        self,
+        thread_id: str,
+        reason: str = "",
+        *,
+        prompt_id: str | None = None,
+        epoch: int | None = None,
+    ) -> Prompt | None:
+        """Cancel the thread's active prompt (or `prompt_id`, if pending) with `reason`.
+
+        Returns the cancelled prompt, or None when nothing pending matched (a no-op). A waiter
+        on it raises `PromptCancelled`; its audit item is enqueued.
+        """
+        self._check_open()
+        tk = self.thread(thread_id)
+        if prompt_id is not None:
+            check_prompt_id(prompt_id)
+        if not isinstance(reason, str):
+            raise BadItem("reason", f"expected a string, got {type(reason).__name__}")
+        status, value = await self._scripts.call(
+            self.redis,
+            "cancel",
+            [tk.active, tk.session],
+            [reason, prompt_id or "", _epoch(epoch), tk.base, tk.wake],
+        )
+        if status == "fenced":
+            raise Fenced(thread_id, epoch or 0, int(value) if value else None)
+        if status == "none":
+            return None
+        await self._after_cancel(thread_id, value)
+        logger.info(
+            "prompt.cancelled", extra={"thread_id": thread_id, "prompt_id": value, "reason": reason}
+        )
+        return await self.get_prompt(thread_id, value)
+
+    async def _after_cancel(self, thread_id: str, prompt_id: str) -> None:
+        member = self.keys.member(thread_id, prompt_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrem(self.keys.open, member)
+        pipe.zadd(self.keys.audit, {member: ULID().milliseconds})
+        self._queue_audit_job(pipe, thread_id, prompt_id)
+        await self._scripts.run_pipeline(self.redis, pipe)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    async def get_prompt(self, thread_id: str, prompt_id: str) -> Prompt:
+        """The prompt's record; `PromptNotFound` if there is none."""
+        self._check_open()
+        h = await self.redis.hgetall(self.thread(thread_id).prompt(check_prompt_id(prompt_id)))
+        if not h:
+            raise PromptNotFound(thread_id, prompt_id)
+        return _codec.prompt_from_hash(thread_id, prompt_id, h)
+
+    async def active_prompt(self, thread_id: str) -> Prompt | None:
+        """The thread's active (pending) prompt, or None."""
+        self._check_open()
+        prompt_id = await self.redis.get(self.thread(thread_id).active)
+        if not prompt_id:
+            return None
+        try:
+            prompt = await self.get_prompt(thread_id, prompt_id)
+        except PromptNotFound:
+            return None
+        return prompt if prompt.state == "pending" else None
+
+    async def items(
+        self, thread_id: str, *, after: str | None = None, count: int | None = None
+    ) -> list[Item]:
+        """The thread's items in order (after the item whose stream id is `after`, if given)."""
+        self._check_open()
+        key = self.thread(thread_id).items
+        out: list[Item] = []
+        start = f"({after}" if after else "-"
+        while count is None or len(out) < count:
+            page = 1000 if count is None else min(1000, count - len(out))
+            entries = await self.redis.xrange(key, start, "+", count=page)
+            out.extend(_codec.item_from_entry(sid, fields) for sid, fields in entries)
+            if len(entries) < page:
+                break
+            start = f"({entries[-1][0]}"
+        return out
+
+    async def entries(
+        self, thread_id: str, *, after: str = "$", block_ms: int = 0
+    ) -> list[tuple[str, Item]]:
+        """Block until new items arrive after stream id `after` ('$': from now). For `tail`."""
+        self._check_open()
+        key = self.thread(thread_id).items
+        reply = await self.redis.xread({key: after}, block=block_ms, count=1000)
+        return [(sid, _codec.item_from_entry(sid, f)) for _, entries in reply for sid, f in entries]
+
+    async def take_inbox(self, thread_id: str) -> list[Item]:
+        """Drain the thread's inbox atomically, in order: the next turn's input."""
+        self._check_open()
+        key = self.thread(thread_id).inbox
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.lrange(key, 0, -1)
+        pipe.delete(key)
+        raw, _ = await pipe.execute()
+        return [_codec.item_from_inbox(r) for r in raw]
+
+    async def open_prompts(self, limit: int | None = None) -> list[Prompt]:
+        """Every pending prompt, oldest first: what is waiting on a person."""
+        self._check_open()
+        members: list[str] = await self.redis.zrange(self.keys.open, 0, -1)
+        pairs = [self.keys.split_member(m) for m in members]
+        out: list[Prompt] = []
+        for chunk in range(0, len(pairs), 500):
+            part = pairs[chunk : chunk + 500]
+            pipe = self.redis.pipeline(transaction=False)
+            for thread_id, prompt_id in part:
+                pipe.hgetall(self.thread(thread_id).prompt(prompt_id))
+            for (thread_id, prompt_id), h in zip(part, await pipe.execute(), strict=True):
+                if h and h.get("state") == "pending":
+                    out.append(_codec.prompt_from_hash(thread_id, prompt_id, h))
+            if limit is not None and len(out) >= limit:
+                return out[:limit]
+        return out
+
+    # -- audit ---------------------------------------------------------------------------------
+
+    async def post_resolution(self, thread_id: str, prompt_id: str) -> str | None:
+        """Post the prompt's `pending_prompt_resolved` item, exactly once.
+
+        Returns its item id (new or already posted), or None when there is nothing to post yet
+        (still pending, or answered but never delivered: that is never posted).
+        """
+        self._check_open()
+        tk = self.thread(thread_id)
+        member = self.keys.member(thread_id, prompt_id)
+        for _ in range(3):
+            try:
+                prompt = await self.get_prompt(thread_id, prompt_id)
+            except PromptNotFound:
+                await self.redis.zrem(self.keys.audit, member)
+                return None
+            if prompt.audit_item_id:
+                status, value = "already", prompt.audit_item_id
+            elif prompt.state == "pending" or (
+                prompt.state == "answered" and prompt.delivered_at is None
+            ):
+                return None
+            else:
+                status, value = await self._scripts.call(
+                    self.redis,
+                    "audit",
+                    [tk.prompt(prompt_id), tk.items],
+                    [_new_id("itm"), self.identity, _codec.resolved_body(prompt), prompt.state,
+                     self.settings.resolved_ttl],
+                )
+            if status in ("posted", "already"):
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.zrem(self.keys.audit, member)
+                pipe.zrem(self.keys.open, member)
+                await pipe.execute()
+                if status == "posted":
+                    logger.info("prompt.audited", extra={"thread_id": thread_id,
+                                                         "prompt_id": prompt_id, "item_id": value})
+                return str(value)
+            if value in ("pending", "undelivered", "missing"):
+                return None
+        return None  # the state kept changing under us: the reconcile job comes back
+
+def _epoch(epoch: int | None) -> str:
+    return "" if epoch is None else str(int(epoch))
+
+def _check_size(body: bytes, field: str) -> None:
+    if len(body) > LIMITS["item_bytes"]:
+        raise BadItem(field, f"{len(body)} bytes as JSON, over the {LIMITS['item_bytes']}-byte limit")
+
+def _check_prompt(kind: object, questions: object) -> tuple[Kind, list[Question]]:
+    if kind not in KINDS:
+        raise BadItem("kind", f"{kind!r} is not a prompt kind (one of {', '.join(KINDS)})")
+    if isinstance(questions, str | bytes) or not isinstance(questions, Sequence):
+        raise BadItem("questions", "expected a list of questions")
+    if not questions:
+        raise BadItem("questions", "a prompt needs at least one question")
+    if len(questions) > LIMITS["questions"]:
+        raise BadItem("questions", f"{len(questions)} questions, over the limit of {LIMITS['questions']}")
+    qs: list[Question] = []
+    for i, q in enumerate(questions):
+        try:
+            qs.append(q if isinstance(q, Question) else Question.model_validate(q))
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
+            raise BadItem(f"questions[{i}]{loc}", err["msg"]) from None
+        if len(qs[-1].options) > LIMITS["options"]:
+            raise BadItem(f"questions[{i}].options", f"over the limit of {LIMITS['options']}")
+    if kind in ("approval", "text") and len(qs) != 1:
+        raise BadItem("questions", f"a {kind} prompt has exactly one question, not {len(qs)}")
+    if kind == "text" and qs[0].options:
+        raise BadItem("questions[0].options", "a text prompt has no options")
+    return kind, qs  # type: ignore[return-value]
+
+class _CheckedItem:
+    """An inbound item, checked and made ready for route.lua."""
+
+    __slots__ = ("author", "body", "is_self", "named", "prepared", "refusal", "structured", "type")
+
+    def __init__(self, author: str, body: bytes, type_: str, is_self: bool) -> None:
+        self.author, self.body, self.type, self.is_self = author, body, type_, is_self
+        self.named = ""
+        self.structured: bytes | str = ""
+        self.refusal = ""
+        self.prepared: bytes | str = ""
+
+def _check_item(item: Mapping[str, Any] | BaseModel, identity: str) -> _CheckedItem:
+    data = item.model_dump() if isinstance(item, BaseModel) else item
+    if not isinstance(data, Mapping):
+        raise BadItem("item", f"expected an object, got {type(data).__name__}")
+    unknown = sorted(set(data) - _ITEM_KEYS)
+    if unknown:
+        raise BadItem(f"item.{unknown[0]}", "unknown field (an item has content, metadata, author)")
+    author = data.get("author", "user")
+    if not isinstance(author, str) or not author or len(author) > LIMITS["author_chars"]:
+        raise BadItem("author", f"expected a non-empty string of at most {LIMITS['author_chars']} characters")
+    content = data.get("content", [])
+    text, has_file = _check_content(content)
+    metadata = data.get("metadata") or {}
+    if not isinstance(metadata, Mapping):
+        raise BadItem("metadata", f"expected an object, got {type(metadata).__name__}")
+    type_ = metadata.get("type", "")
+    if not isinstance(type_, str):
+        raise BadItem("metadata.type", "expected a string")
+    is_self = author == identity
+    if type_ in _RESERVED_TYPES and not is_self:
+        raise BadItem("metadata.type", f"{type_!r} items are posted by the broker only")
+    body = orjson.dumps({"content": content, "metadata": metadata})
+    _check_size(body, "item")
+    checked = _CheckedItem(author, body, type_, is_self)
+    if is_self:
+        return checked
+    named = metadata.get("prompt_id")
+    if named is not None:
+        checked.named = check_prompt_id(named, "metadata.prompt_id")
+    entries, refusal = check_structured(metadata.get("answers"))
+    if entries is not None:
+        checked.structured = orjson.dumps(entries)
+    checked.refusal = refusal or ""
+    if text or has_file:
+        checked.prepared = orjson.dumps(prepare(text))
+    elif entries is None:
+        raise BadItem(
+            "content", refusal or "no text, no file and no metadata.answers: nothing to post"
+        )
+    return checked
+
+def _check_content(content: object) -> tuple[str, bool]:
+    """The item's text (non-empty text blocks joined by newlines) and whether it has a file."""
+    if not isinstance(content, list):
+        raise BadItem("content", f"expected a list of blocks, got {type(content).__name__}")
+    texts: list[str] = []
+    has_file = False
+    for i, block in enumerate(content):
+        if not isinstance(block, Mapping) or not isinstance(block.get("type"), str):
+            raise BadItem(f"content[{i}]", "expected an object with a string `type`")
+        if block["type"] == "text":
+            if not isinstance(block.get("text"), str):
+                raise BadItem(f"content[{i}].text", "expected a string")
+            if block["text"]:
+                texts.append(block["text"])
+        elif block["type"] == "file":
+            file = block.get("file")
+            if not isinstance(file, Mapping) or not isinstance(file.get("alias"), str) or not file["alias"]:
+                raise BadItem(f"content[{i}].file.alias", "expected a non-empty string")
+            has_file = True
+    return "\n".join(texts), has_file

@@ -1,0 +1,112 @@
+"""Every error the broker raises, under one root.
+
+    BrokerError
+    ├── BadItem              bad input: names the field; nothing was written
+    ├── PromptUnavailable    the question could not be delivered; nobody refused; ask again
+    ├── PromptCancelled      the prompt was cancelled (superseded, run ended, ...): carries the reason
+    ├── StaleAnswer          an answer named a prompt that is not the thread's active one
+    ├── PromptNotFound       no such prompt on that thread
+    ├── Fenced               the caller's lease epoch moved on: another replica holds the thread
+    └── BrokerClosed         the broker was used after it was closed
+
+`wait()` raises the builtin `TimeoutError` on timeout: the prompt stays open.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BadItem",
+    "BrokerClosed",
+    "BrokerError",
+    "Fenced",
+    "PromptCancelled",
+    "PromptNotFound",
+    "PromptUnavailable",
+    "StaleAnswer",
+]
+
+
+class BrokerError(Exception):
+    """The root of every error prompt-broker raises on purpose."""
+
+
+class BadItem(BrokerError, ValueError):
+    """Input that cannot be accepted. `field` says where (a dotted path); nothing was written."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"{field}: {problem}")
+
+
+class PromptUnavailable(BrokerError):
+    """The question could not be delivered to a person.
+
+    The message says so in the terms an agent needs: the question was not delivered, nobody
+    refused, and asking again retries. It never says anyone denied anything.
+    """
+
+    def __init__(self, thread_id: str, cause: BaseException | str) -> None:
+        self.thread_id = thread_id
+        self.cause = cause
+        super().__init__(
+            f"the question could not be delivered to a person ({cause}); nobody refused it, "
+            "and asking again will retry"
+        )
+
+
+class PromptCancelled(BrokerError):
+    """The prompt was cancelled before anyone answered it: `reason` says why."""
+
+    def __init__(self, prompt_id: str, reason: str) -> None:
+        self.prompt_id = prompt_id
+        self.reason = reason
+        super().__init__(f"prompt {prompt_id} was cancelled: {reason or 'no reason given'}")
+
+
+class StaleAnswer(BrokerError):
+    """An answer named a prompt that is no longer the thread's active one; nothing was written.
+
+    `state` is that prompt's real state: `answered`, `cancelled`, `pending` (open, but not the
+    active one) or `unknown` (no such prompt on this thread). `active_prompt_id` is the prompt that
+    is active now, if any.
+    """
+
+    def __init__(
+        self, thread_id: str, prompt_id: str, state: str, active_prompt_id: str | None
+    ) -> None:
+        self.thread_id = thread_id
+        self.prompt_id = prompt_id
+        self.state = state
+        self.active_prompt_id = active_prompt_id
+        now = f"the active prompt is {active_prompt_id}" if active_prompt_id else "none is active"
+        super().__init__(f"prompt {prompt_id} on thread {thread_id} is {state}; {now}")
+
+
+class PromptNotFound(BrokerError, LookupError):
+    """No prompt with that id exists on that thread."""
+
+    def __init__(self, thread_id: str, prompt_id: str) -> None:
+        self.thread_id = thread_id
+        self.prompt_id = prompt_id
+        super().__init__(f"no prompt {prompt_id} on thread {thread_id}")
+
+
+class Fenced(BrokerError):
+    """A fenced call was refused: the thread's lease epoch is no longer the caller's."""
+
+    def __init__(self, thread_id: str, epoch: int, current: int | None) -> None:
+        self.thread_id = thread_id
+        self.epoch = epoch
+        self.current = current
+        super().__init__(
+            f"thread {thread_id}: lease epoch {epoch} is stale (now {current}); "
+            "another replica holds this thread"
+        )
+
+
+class BrokerClosed(BrokerError, RuntimeError):
+    """The broker was used after `aclose()` (or outside its `async with` block)."""
+
+    def __init__(self) -> None:
+        super().__init__("this Broker is closed; open a new one with Broker.from_url(...)")

@@ -1,0 +1,137 @@
+"""Every Redis key and channel name prompt-broker uses, and nothing else builds one.
+
+All keys of a thread share one hash tag, so each script touches one slot (Redis Cluster ready).
+With the default prefix `pp`:
+
+| key                          | type       | holds                                                    |
+|------------------------------|------------|----------------------------------------------------------|
+| `pp:{T}:items`               | stream     | the thread, in order; fields `id`, `author`, `type`, `body` (JSON content + metadata); the entry id's time is `created_at` |
+| `pp:{T}:prompt:<prompt_id>`  | hash       | one prompt: `kind`, `questions`, `match`, `state`, `item`, `created`, then `answers`/`reason`, `source`, `answer_item`, `resolved`, `delivered`, `audit_item` |
+| `pp:{T}:active`              | string     | the id of the thread's one active prompt: the lock       |
+| `pp:{T}:inbox`               | list       | items (JSON) posted while no prompt was active           |
+| `pp:{T}:session`             | hash       | the agent session driving the thread (owner, epoch, ...) |
+| `pp:{T}:wake`                | channel    | the doorbell: resolutions and queued items, as JSON      |
+| `pp:open`                    | sorted set | `T/prompt_id` of open prompts by creation time (ms)      |
+| `pp:audit`                   | sorted set | `T/prompt_id` of resolutions whose audit item is not yet posted |
+| `pp:leases`                  | sorted set | thread id -> lease deadline (ms, server time)            |
+| `pp:audit:queue`             | sorted set | the arq queue of audit jobs (arq's own `arq:job:*` keys hold the jobs) |
+
+`pp:open`, `pp:audit` and `pp:leases` are discovery indexes: the per-thread records decide, and a
+sweep rebuilds the indexes from them. Nothing that holds an open prompt ever has a TTL.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from broker.errors import BadItem
+
+__all__ = ["Keys", "ThreadKeys", "check_prompt_id", "check_thread_id"]
+
+_THREAD_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+_PROMPT_ID = re.compile(r"prm_[0-9A-HJKMNP-TV-Z]{26}")
+_PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+
+
+def check_thread_id(thread_id: object, field: str = "thread_id") -> str:
+    """Return `thread_id` if it is a usable thread id, else raise `BadItem` naming `field`."""
+    if not isinstance(thread_id, str) or not _THREAD_ID.fullmatch(thread_id):
+        raise BadItem(
+            field,
+            f"{thread_id!r} is not a thread id (1-128 of A-Z a-z 0-9 . _ : @ -, "
+            "starting with a letter or digit)",
+        )
+    return thread_id
+
+
+def check_prompt_id(prompt_id: object, field: str = "prompt_id") -> str:
+    """Return `prompt_id` if it has the shape `prm_<ULID>`, else raise `BadItem` naming `field`."""
+    if not isinstance(prompt_id, str) or not _PROMPT_ID.fullmatch(prompt_id):
+        raise BadItem(field, f"{prompt_id!r} is not a prompt id (prm_ followed by a ULID)")
+    return prompt_id
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadKeys:
+    """The keys of one thread."""
+
+    thread_id: str
+    base: str  # "<prefix>:{<thread_id>}:"
+
+    @property
+    def items(self) -> str:
+        return self.base + "items"
+
+    @property
+    def active(self) -> str:
+        return self.base + "active"
+
+    @property
+    def inbox(self) -> str:
+        return self.base + "inbox"
+
+    @property
+    def session(self) -> str:
+        return self.base + "session"
+
+    @property
+    def wake(self) -> str:
+        return self.base + "wake"
+
+    def prompt(self, prompt_id: str) -> str:
+        return self.base + "prompt:" + prompt_id
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key names under one prefix (tests give each run its own)."""
+
+    prefix: str = "pp"
+
+    def __post_init__(self) -> None:
+        if not _PREFIX.fullmatch(self.prefix):
+            raise BadItem("key_prefix", f"{self.prefix!r} is not a usable key prefix")
+
+    def thread(self, thread_id: str) -> ThreadKeys:
+        return ThreadKeys(thread_id, f"{self.prefix}:{{{check_thread_id(thread_id)}}}:")
+
+    @property
+    def open(self) -> str:
+        return f"{self.prefix}:open"
+
+    @property
+    def audit(self) -> str:
+        return f"{self.prefix}:audit"
+
+    @property
+    def leases(self) -> str:
+        return f"{self.prefix}:leases"
+
+    @property
+    def audit_queue(self) -> str:
+        return f"{self.prefix}:audit:queue"
+
+    @property
+    def wake_pattern(self) -> str:
+        """Matches every thread's wake channel (for tools that watch the whole broker)."""
+        return f"{self.prefix}:{{*}}:wake"
+
+    @property
+    def prompt_pattern(self) -> str:
+        """Matches every prompt record (the index-rebuilding sweep scans it)."""
+        return f"{self.prefix}:{{*}}:prompt:*"
+
+    def audit_job_id(self, thread_id: str, prompt_id: str) -> str:
+        """The arq job id of a prompt's audit job: one per prompt, so enqueueing is idempotent."""
+        return f"{self.prefix}:audit:{thread_id}/{prompt_id}"
+
+    @staticmethod
+    def member(thread_id: str, prompt_id: str) -> str:
+        """An index member: `T/prompt_id`."""
+        return f"{thread_id}/{prompt_id}"
+
+    @staticmethod
+    def split_member(member: str) -> tuple[str, str]:
+        thread_id, _, prompt_id = member.rpartition("/")
+        return thread_id, prompt_id

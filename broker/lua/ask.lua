@@ -1,0 +1,30 @@
+-- ask: post a `pending_prompt` item and make it the thread's active prompt, in one step.
+--
+-- KEYS[1] items stream   KEYS[2] active   KEYS[3] the new prompt's hash   KEYS[4] session hash
+-- ARGV[1] prompt id      ARGV[2] item id  ARGV[3] author   ARGV[4] item body (JSON)
+-- ARGV[5] kind           ARGV[6] questions (JSON)          ARGV[7] matchers (JSON)
+-- ARGV[8] lease epoch, or '' when the caller holds none     ARGV[9] the thread's key base
+-- ARGV[10] wake channel
+--
+-- Returns {'ok', stream id, superseded prompt id or ''} or {'fenced', current epoch}.
+--
+-- The new item goes on the thread before the old prompt is cancelled `superseded`, as the spec
+-- orders it; both happen here, so nobody ever sees two active prompts or none in between.
+local current = fenced(KEYS[4], ARGV[8])
+if current then return {'fenced', current} end
+
+local sid = redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'author', ARGV[3],
+  'type', 'pending_prompt', 'body', ARGV[4])
+local created = string.match(sid, '^(%d+)')
+
+local old = redis.call('GET', KEYS[2])
+local superseded = ''
+if old and old ~= ARGV[1] and cancel_prompt(ARGV[9], old, 'superseded', ARGV[10], now_ms()) then
+  superseded = old
+end
+
+redis.call('HSET', KEYS[3], 'kind', ARGV[5], 'questions', ARGV[6], 'match', ARGV[7],
+  'state', 'pending', 'item', ARGV[2], 'sid', sid, 'created', created)
+if ARGV[8] ~= '' then redis.call('HSET', KEYS[3], 'epoch', ARGV[8]) end
+redis.call('SET', KEYS[2], ARGV[1])
+return {'ok', sid, superseded}

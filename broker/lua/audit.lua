@@ -1,0 +1,21 @@
+-- audit: post a prompt's `pending_prompt_resolved` item, exactly once.
+--
+-- KEYS[1] prompt hash   KEYS[2] items stream
+-- ARGV[1] item id   ARGV[2] author   ARGV[3] item body (JSON)   ARGV[4] the state the body says
+-- ARGV[5] retention in seconds for the resolved record, or '0' to keep it
+--
+-- Returns {'posted', item id}, {'already', item id}, or {'refused', why}: the prompt is still
+-- pending, an answer was never delivered (a resolution the agent never saw is never posted), or
+-- the state is not the one the body was built from.
+local state, delivered, posted = unpack(redis.call('HMGET', KEYS[1], 'state', 'delivered', 'audit_item'))
+if posted then return {'already', posted} end
+if not state then return {'refused', 'missing'} end
+if state == 'pending' then return {'refused', 'pending'} end
+if state == 'answered' and not delivered then return {'refused', 'undelivered'} end
+if state ~= ARGV[4] then return {'refused', 'changed'} end
+
+redis.call('XADD', KEYS[2], '*', 'id', ARGV[1], 'author', ARGV[2],
+  'type', 'pending_prompt_resolved', 'body', ARGV[3])
+redis.call('HSET', KEYS[1], 'audit_item', ARGV[1])
+if ARGV[5] ~= '0' then redis.call('EXPIRE', KEYS[1], ARGV[5]) end
+return {'posted', ARGV[1]}

@@ -1,0 +1,133 @@
+-- route: add an inbound item to the thread and decide, atomically, what it is.
+--
+-- KEYS[1] items stream   KEYS[2] active   KEYS[3] inbox
+-- ARGV[1] item id   ARGV[2] author   ARGV[3] item type ('' for a message)   ARGV[4] body (JSON)
+-- ARGV[5] 'self' for the broker's own items and agent output (never an answer), else 'user'
+-- ARGV[6] the prompt id the item names in metadata.prompt_id, or ''
+-- ARGV[7] structured answers, shape already checked by Python (JSON), or ''
+-- ARGV[8] why Python refused metadata.answers, or ''
+-- ARGV[9] the prepared text (JSON, broker/answers.py `prepare`), or '' when the item has no
+--         usable content (no non-empty text block and no file block)
+-- ARGV[10] the thread's key base   ARGV[11] wake channel
+--
+-- Returns one of
+--   {'posted', item id}                      a 'self' item, on the thread only
+--   {'queued', item id}                      no active prompt: on the thread and in the inbox
+--   {'answered', item id, prompt id, answers JSON, 'structured'|'text', refusal or ''}
+--   {'stale', state, active prompt id or ''} it named another prompt: nothing written
+--   {'bad', why}                             nothing usable to answer with: nothing written
+--
+-- Text mapping is `map_prepared` of broker/answers.py, ported line for line (a property test
+-- holds them equal); Python did the Unicode work (trim, case-fold, split, numbers) beforehand.
+
+local function add_item()
+  return redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 'author', ARGV[2], 'type', ARGV[3], 'body', ARGV[4])
+end
+
+local function by_label(fold, m)
+  if fold == '' then return nil end
+  for i = 1, #m.labels do
+    if m.folds[i] ~= '' and m.folds[i] == fold then return m.labels[i] end
+  end
+  return nil
+end
+
+local function resolve(tok, m)
+  if tok.n >= 1 and tok.n <= #m.labels then return m.labels[tok.n] end
+  return by_label(tok.f, m)
+end
+
+-- Greedy: at each word, the longest run of two or more words naming a label wins.
+local function resolve_segment(words, m, out)
+  local i = 1
+  while i <= #words do
+    local picked = nil
+    for j = #words, i + 1, -1 do
+      local run = {}
+      for k = i, j do run[#run + 1] = words[k].f end
+      picked = by_label(table.concat(run, ' '), m)
+      if picked then i = j + 1; break end
+    end
+    if not picked then
+      picked = resolve(words[i], m)
+      i = i + 1
+    end
+    if picked then out[#out + 1] = picked end
+  end
+end
+
+local function map_question(p, m)
+  if #m.labels == 0 then return {p.raw} end
+  if not m.multi then
+    local label = resolve(p.whole, m)
+    if label then return {label} end
+    return {p.raw}
+  end
+  local out = {}
+  for s = 1, #p.segs do resolve_segment(p.segs[s], m, out) end
+  if #out == 0 then return {p.raw} end
+  return out
+end
+
+local function map_prepared(kind, ms, p)
+  local out = {}
+  for i = 1, #ms do
+    if kind == 'text' then out[i] = {p.raw}
+    elseif kind == 'approval' then out[i] = {p.aff and 'Approve' or 'Deny'}
+    else out[i] = map_question(p, ms[i]) end
+  end
+  return out
+end
+
+if ARGV[5] == 'self' then
+  add_item()
+  return {'posted', ARGV[1]}
+end
+
+local base, named = ARGV[10], ARGV[6]
+local active = redis.call('GET', KEYS[2])
+if named ~= '' and named ~= active then
+  local state = redis.call('HGET', base .. 'prompt:' .. named, 'state')
+  return {'stale', state or 'unknown', active or ''}
+end
+
+local prompt = active and (base .. 'prompt:' .. active)
+local kind, match, state
+if prompt then kind, match, state = unpack(redis.call('HMGET', prompt, 'kind', 'match', 'state')) end
+if state ~= 'pending' then
+  if ARGV[9] == '' then return {'bad', 'no prompt is active to answer, and the item has no content to queue'} end
+  if active then redis.call('DEL', KEYS[2]) end  -- a dangling lock: the record decides
+  local sid = add_item()
+  redis.call('RPUSH', KEYS[3], cjson.encode({id = ARGV[1], author = ARGV[2], sid = sid, body = ARGV[4]}))
+  redis.call('PUBLISH', ARGV[11], '{"queued":' .. cjson.encode(ARGV[1]) .. '}')
+  return {'queued', ARGV[1]}
+end
+
+local ms = cjson.decode(match)
+local questions, answers, source, refusal = {}, nil, nil, ARGV[8]
+for i = 1, #ms do questions[i] = ms[i].question end
+if ARGV[7] ~= '' then
+  local given = cjson.decode(ARGV[7])
+  if #given == #ms then
+    answers, source = {}, 'structured'
+    for i = 1, #given do
+      answers[i] = given[i].answer
+      if type(given[i].question) == 'string' then questions[i] = given[i].question end
+    end
+  else
+    refusal = 'metadata.answers: the prompt has ' .. #ms .. ' question(s), the item answers ' .. #given
+  end
+end
+if not answers then
+  if ARGV[9] == '' then return {'bad', refusal ~= '' and refusal or 'the item has no text and no metadata.answers'} end
+  answers, source = map_prepared(kind, ms, cjson.decode(ARGV[9])), 'text'
+end
+
+local encoded = json_answers(questions, answers)
+add_item()
+redis.call('HSET', prompt, 'state', 'answered', 'answers', encoded, 'source', source,
+  'answer_item', ARGV[1], 'resolved', now_ms())
+redis.call('DEL', KEYS[2])
+redis.call('PUBLISH', ARGV[11], '{"prompt_id":' .. cjson.encode(active)
+  .. ',"state":"answered","answers":' .. encoded .. '}')
+return {'answered', ARGV[1], active, encoded, source, refusal}

@@ -1,0 +1,69 @@
+"""One frozen settings object, read from `PROMPT_BROKER_*` environment variables in one place."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from broker.errors import BadItem
+
+__all__ = ["ENV_PREFIX", "Settings"]
+
+ENV_PREFIX = "PROMPT_BROKER_"
+
+
+class Settings(BaseModel):
+    """Everything configurable. `Settings.from_env()` reads `PROMPT_BROKER_<FIELD>`.
+
+    An unknown `PROMPT_BROKER_*` variable is an error, so a misspelt option fails loudly instead
+    of being ignored.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0", description="the Redis server every replica shares"
+    )
+    key_prefix: str = Field("pp", description="the first part of every key and channel")
+    identity: str = Field(
+        "prompt-broker",
+        description="the author of the broker's own items; items by it are never answers",
+    )
+    sweep_interval: float = Field(
+        15.0, gt=0, description="seconds between re-reads of every prompt a waiter holds"
+    )
+    resolved_ttl: int = Field(
+        30 * 86400,
+        ge=0,
+        description="seconds a prompt's record is kept after its audit item is posted (0: forever)",
+    )
+    audit_job_timeout: int = Field(
+        10, gt=0, description="seconds an audit job may run; arq redelivers after this plus 1 s"
+    )
+    audit_grace: float = Field(
+        10.0, ge=0, description="seconds before the reconcile job re-enqueues an unposted audit"
+    )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from the environment, then `overrides` (the CLI's flags) on top."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, value in env.items():
+            if not name.startswith(ENV_PREFIX):
+                continue
+            field = name[len(ENV_PREFIX) :].lower()
+            if field not in cls.model_fields:
+                known = ", ".join(ENV_PREFIX + f.upper() for f in cls.model_fields)
+                raise BadItem(name, f"unknown setting (known: {known})")
+            values[field] = value
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls.model_validate(values)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = str(err["loc"][0]) if err["loc"] else "settings"
+            raise BadItem(ENV_PREFIX + field.upper(), err["msg"]) from None
