@@ -1,0 +1,215 @@
+"""Fixtures: every Redis-touching test runs on fakeredis and on a real redis-server.
+
+The real server is `TEST_REDIS_URL` (default redis://127.0.0.1:6379/13). It is shared with other
+users, so each test gets its own key prefix and deletes only its own keys; nothing here flushes a
+database. When no server answers there, a private `redis-server` is started on a free port for the
+session. Tests that kill or restart Redis use `redis_server_factory`: their own server, stopped by
+its pid.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import fakeredis
+import pytest
+import redis
+from redis.asyncio import Redis
+
+from broker import Broker, Settings
+
+DEFAULT_URL = "redis://127.0.0.1:6379/13"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RedisServer:
+    """A private redis-server process: tests may kill, restart or pause it."""
+
+    port: int
+    dir: Path
+    proc: subprocess.Popen[bytes] | None = None
+    appendonly: bool = True
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.skip("redis-server is not on PATH")
+        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+                "--save", "", "--appendonly", "yes" if self.appendonly else "no",
+                "--appendfsync", "always", "--daemonize", "no", "--loglevel", "warning"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if redis.Redis(port=self.port, socket_timeout=0.5).ping():
+                    return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server on port {self.port} did not start")
+
+    def kill(self) -> None:
+        """SIGKILL: the server vanishes mid-whatever (AOF keeps what was written)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+            self.proc = None
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+
+@pytest.fixture
+def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
+    servers: list[RedisServer] = []
+
+    def make(appendonly: bool = True) -> RedisServer:
+        d = tmp_path / f"redis-{len(servers)}"
+        d.mkdir()
+        server = RedisServer(free_port(), d, appendonly=appendonly)
+        server.start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return False
+
+
+@pytest.fixture(scope="session")
+def real_redis_url() -> Iterator[str]:
+    """A real redis-server for the whole session: `TEST_REDIS_URL`, or a private one."""
+    url = os.environ.get("TEST_REDIS_URL", DEFAULT_URL)
+    if _answers(url):
+        yield url
+        return
+    if shutil.which("redis-server") is None:
+        if os.environ.get("PB_REQUIRE_REAL_REDIS"):
+            pytest.fail(f"no Redis at {url} and no redis-server on PATH (PB_REQUIRE_REAL_REDIS)")
+        pytest.skip(f"no Redis at {url} and no redis-server on PATH")
+    with tempfile.TemporaryDirectory() as d:
+        server = RedisServer(free_port(), Path(d), appendonly=False)
+        server.start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def prefix() -> str:
+    """This test's own key prefix."""
+    return "t" + uuid.uuid4().hex[:12]
+
+
+async def delete_prefix(client: Redis, prefix: str) -> None:
+    """Delete this test's keys only: its prefix, and arq's keys for its audit jobs."""
+    for pattern in (f"{prefix}:*", f"arq:*:{prefix}:*"):
+        keys = [k async for k in client.scan_iter(match=pattern, count=1000)]
+        for i in range(0, len(keys), 500):
+            await client.delete(*keys[i : i + 500])
+
+
+@pytest.fixture(params=["fake", "real"])
+def backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "real":
+        request.node.add_marker(pytest.mark.real_redis)
+    return str(request.param)
+
+
+ClientFactory = Callable[[], Redis]
+
+
+@pytest.fixture
+async def make_client(
+    backend: str, request: pytest.FixtureRequest, prefix: str
+) -> AsyncIterator[ClientFactory]:
+    """Make clients that share one server: fakeredis (one FakeServer) or the real one."""
+    clients: list[Redis] = []
+    if backend == "fake":
+        server = fakeredis.FakeServer()
+
+        def make() -> Redis:
+            client = fakeredis.FakeAsyncRedis(server=server, decode_responses=True)
+            clients.append(client)
+            return client
+    else:
+        url = request.getfixturevalue("real_redis_url")
+
+        def make() -> Redis:
+            client = Redis.from_url(url, decode_responses=True)
+            clients.append(client)
+            return client
+
+    yield make
+    if backend == "real" and clients:
+        await delete_prefix(clients[0], prefix)
+    for client in clients:
+        await client.aclose()
+
+
+@pytest.fixture
+def settings(prefix: str) -> Settings:
+    return Settings(key_prefix=prefix, sweep_interval=2.0)
+
+
+BrokerFactory = Callable[..., Awaitable[Broker]]
+
+
+@pytest.fixture
+async def make_broker(
+    make_client: ClientFactory, settings: Settings
+) -> AsyncIterator[BrokerFactory]:
+    """Make Brokers (each with its own client) on this test's server and prefix."""
+    brokers: list[Broker] = []
+
+    async def make(**overrides: object) -> Broker:
+        s = settings.model_copy(update=overrides) if overrides else settings
+        b = Broker(make_client(), s)
+        brokers.append(b)
+        return b
+
+    yield make
+    for b in brokers:
+        await b.aclose()
+
+
+@pytest.fixture
+async def broker(make_broker: BrokerFactory) -> Broker:
+    return await make_broker()
