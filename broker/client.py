@@ -453,7 +453,8 @@ class Broker:
         self._check_open()
         tk = self.thread(thread_id)
         member = self.keys.member(thread_id, prompt_id)
-        for _ in range(3):
+        unindexed = False
+        for _ in range(4):
             try:
                 prompt = await self.get_prompt(thread_id, prompt_id)
             except PromptNotFound:
@@ -464,7 +465,7 @@ class Broker:
             elif prompt.state == "pending" or (
                 prompt.state == "answered" and prompt.delivered_at is None
             ):
-                return None
+                status, value = "refused", prompt.state if prompt.state == "pending" else "undelivered"
             else:
                 status, value = await self._scripts.call(
                     self.redis,
@@ -482,8 +483,15 @@ class Broker:
                     logger.info("prompt.audited", extra={"thread_id": thread_id,
                                                          "prompt_id": prompt_id, "item_id": value})
                 return str(value)
-            if value in ("pending", "undelivered", "missing"):
+            if value == "missing":
                 return None
+            if value in ("pending", "undelivered"):
+                if unindexed:
+                    return None
+                # Nothing to post yet: drop it from the index, then look once more, so that a
+                # delivery landing in between (its own enqueue refused while we run) is not lost.
+                await self.redis.zrem(self.keys.audit, member)
+                unindexed = True
         return None  # the state kept changing under us: the reconcile job comes back
 
 def _epoch(epoch: int | None) -> str:

@@ -153,7 +153,7 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-ClientFactory = Callable[[], Redis]
+ClientFactory = Callable[..., Redis]
 
 
 @pytest.fixture
@@ -165,15 +165,15 @@ async def make_client(
     if backend == "fake":
         server = fakeredis.FakeServer()
 
-        def make() -> Redis:
-            client = fakeredis.FakeAsyncRedis(server=server, decode_responses=True)
+        def make(decode_responses: bool = True) -> Redis:
+            client = fakeredis.FakeAsyncRedis(server=server, decode_responses=decode_responses)
             clients.append(client)
             return client
     else:
         url = request.getfixturevalue("real_redis_url")
 
-        def make() -> Redis:
-            client = Redis.from_url(url, decode_responses=True)
+        def make(decode_responses: bool = True) -> Redis:
+            client = Redis.from_url(url, decode_responses=decode_responses)
             clients.append(client)
             return client
 

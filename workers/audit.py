@@ -1,0 +1,197 @@
+"""The audit worker: arq jobs that post `pending_prompt_resolved` items, exactly once.
+
+Run it with `arq workers.audit.WorkerSettings`, or with `python -m workers.audit` (the same jobs,
+with arq's crash redelivery cut from `job_timeout + 10 s` to `job_timeout + 1 s`).
+
+- `post_resolution(thread_id, prompt_id)` is enqueued by whoever hands answers to the agent
+  (`Broker.wait`) or cancels a prompt; its arq job id is the prompt's, and the Lua script behind
+  it posts at most one resolution per prompt, however often it runs. An answer no agent ever
+  received is never posted.
+- `reconcile` (cron, every 15 s) re-enqueues every resolution still unposted in the `audit`
+  index; every tenth run it also rebuilds the `open` and `audit` indexes from the prompt records,
+  which decide.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from arq import cron, func
+from arq.connections import RedisSettings
+from arq.worker import Worker
+from ulid import ULID
+
+from broker import Broker, Keys, Settings
+from broker.client import AUDIT_JOB
+
+logger = logging.getLogger("workers.audit")
+
+__all__ = ["AuditWorker", "WorkerSettings", "post_resolution", "reconcile", "rebuild_indexes"]
+
+FULL_SWEEP_EVERY = 10
+_PROMPT_KEY = re.compile(r"^(?P<prefix>.+):\{(?P<thread>[^}]+)\}:prompt:(?P<prompt>prm_\w+)$")
+
+
+async def startup(ctx: dict[str, Any]) -> None:
+    settings: Settings = ctx.get("settings") or Settings.from_env()
+    ctx["broker"] = Broker.from_url(settings=settings)
+    ctx["runs"] = 0
+
+
+async def shutdown(ctx: dict[str, Any]) -> None:
+    await ctx["broker"].aclose()
+
+
+async def post_resolution(ctx: dict[str, Any], thread_id: str, prompt_id: str) -> str | None:
+    """Post the prompt's resolution item (once); None when there is nothing to post yet."""
+    broker: Broker = ctx["broker"]
+    return await broker.post_resolution(thread_id, prompt_id)
+
+
+async def reconcile(ctx: dict[str, Any]) -> dict[str, int]:
+    """Re-enqueue unposted resolutions; every `FULL_SWEEP_EVERY` runs, rebuild the indexes."""
+    broker: Broker = ctx["broker"]
+    ctx["runs"] = ctx.get("runs", 0) + 1
+    counts = {"requeued": 0}
+    if ctx["runs"] % FULL_SWEEP_EVERY == 1:
+        counts |= await rebuild_indexes(broker)
+    before = ULID().milliseconds - int(broker.settings.audit_grace * 1000)
+    members = await broker.redis.zrangebyscore(broker.keys.audit, "-inf", before)
+    for member in members:
+        thread_id, prompt_id = broker.keys.split_member(member)
+        counts["requeued"] += await broker.enqueue_audit(thread_id, prompt_id)
+    if counts["requeued"]:
+        logger.info("audit.requeued", extra=counts)
+    return counts
+
+
+@dataclass
+class _Fix:
+    open_add: dict[str, float]
+    open_rem: list[str]
+    audit_add: dict[str, float]
+    audit_rem: list[str]
+
+
+async def rebuild_indexes(broker: Broker) -> dict[str, int]:
+    """Bring `open` and `audit` back in line with the prompt records (which decide)."""
+    scanned = 0
+    fix = _Fix({}, [], {}, [])
+    async for batch in _prompt_batches(broker):
+        pipe = broker.redis.pipeline(transaction=False)
+        for key, _, _ in batch:
+            pipe.hmget(key, "state", "delivered", "audit_item", "created")
+        for (_, thread_id, prompt_id), row in zip(batch, await pipe.execute(), strict=True):
+            scanned += 1
+            _classify(broker.keys.member(thread_id, prompt_id), row, fix)
+    pipe = broker.redis.pipeline(transaction=False)
+    if fix.open_add:
+        pipe.zadd(broker.keys.open, fix.open_add, nx=True)
+    if fix.open_rem:
+        pipe.zrem(broker.keys.open, *fix.open_rem)
+    if fix.audit_add:
+        pipe.zadd(broker.keys.audit, fix.audit_add, nx=True)
+    if fix.audit_rem:
+        pipe.zrem(broker.keys.audit, *fix.audit_rem)
+    await pipe.execute()
+    return {"scanned": scanned, "open": len(fix.open_add), "unaudited": len(fix.audit_add)}
+
+
+def _classify(member: str, row: list[str | None], fix: _Fix) -> None:
+    state, delivered, audited, created = row
+    if state is None:
+        return
+    score = float(created or 0)
+    if state == "pending":
+        fix.open_add[member] = score
+        return
+    fix.open_rem.append(member)
+    if audited is None and (state == "cancelled" or delivered is not None):
+        fix.audit_add[member] = score
+    else:
+        fix.audit_rem.append(member)
+
+
+async def _prompt_batches(broker: Broker) -> Any:
+    batch: list[tuple[str, str, str]] = []
+    async for key in broker.redis.scan_iter(match=broker.keys.prompt_pattern, count=1000):
+        m = _PROMPT_KEY.match(key)
+        if m is None or m["prefix"] != broker.keys.prefix:
+            continue
+        batch.append((key, m["thread"], m["prompt"]))
+        if len(batch) >= 500:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def worker_settings(settings: Settings | None = None) -> dict[str, Any]:
+    """arq Worker keyword arguments for these settings (the environment by default)."""
+    settings = settings or Settings.from_env()
+    return {
+        "functions": [func(post_resolution, name=AUDIT_JOB)],
+        "cron_jobs": [cron(reconcile, second={0, 15, 30, 45}, run_at_startup=True)],
+        "queue_name": Keys(settings.key_prefix).audit_queue,
+        "redis_settings": RedisSettings.from_dsn(settings.redis_url),
+        "job_timeout": settings.audit_job_timeout,
+        # No result kept: posting is idempotent on its own, and a kept result would block
+        # re-enqueueing that prompt's job until it expired.
+        "keep_result": 0,
+        "max_jobs": 50,
+        "poll_delay": 0.1,
+        "on_startup": startup,
+        "on_shutdown": shutdown,
+        "ctx": {"settings": settings},
+        "handle_signals": True,
+    }
+
+
+class AuditWorker(Worker):
+    """arq's Worker with crash redelivery after `job_timeout + 1 s` instead of `+ 10 s`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        timeouts = [f.timeout_s or self.job_timeout_s for f in self.functions.values()]
+        self.in_progress_timeout_s = max(t or 0 for t in timeouts) + 1
+
+
+class WorkerSettings:
+    """For `arq workers.audit.WorkerSettings`: the settings come from PROMPT_BROKER_* env."""
+
+    _s = worker_settings()
+    functions = _s["functions"]
+    cron_jobs = _s["cron_jobs"]
+    queue_name = _s["queue_name"]
+    redis_settings = _s["redis_settings"]
+    job_timeout = _s["job_timeout"]
+    keep_result = _s["keep_result"]
+    max_jobs = _s["max_jobs"]
+    poll_delay = _s["poll_delay"]
+    on_startup = startup
+    on_shutdown = shutdown
+    ctx = _s["ctx"]
+
+
+def run(settings: Settings | None = None, *, burst: bool = False) -> None:
+    """Run the audit worker in this process until SIGINT/SIGTERM (or, in burst mode, idle)."""
+    worker = AuditWorker(**worker_settings(settings), burst=burst)
+    worker.run()
+
+
+async def run_async(settings: Settings | None = None, *, burst: bool = False) -> None:
+    """The audit worker inside a running event loop (tests, the fleet supervisor)."""
+    kwargs = worker_settings(settings) | {"handle_signals": False}
+    worker = AuditWorker(**kwargs, burst=burst)
+    try:
+        await worker.async_run()
+    finally:
+        await worker.close()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    run()
