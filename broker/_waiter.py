@@ -247,7 +247,7 @@ class Waiter:
 
     def _resolve(self, wake: Wake) -> None:
         prompt_id = wake.get("prompt_id", "")
-        if wake.get("state") not in ("answered", "cancelled"):
+        if wake.get("state") not in ("answered", "cancelled", "missing"):  # missing: from reads
             return
         if prompt_id in self._expected:
             channel, generation, _ = self._expected[prompt_id]

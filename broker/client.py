@@ -550,7 +550,8 @@ def _check_item(item: Mapping[str, Any] | BaseModel, identity: str) -> _CheckedI
         raise BadItem("author", f"expected a non-empty string of at most {LIMITS['author_chars']} characters")
     content = data.get("content", [])
     text, has_file = _check_content(content)
-    metadata = data.get("metadata") or {}
+    metadata = data.get("metadata")
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, Mapping):
         raise BadItem("metadata", f"expected an object, got {type(metadata).__name__}")
     type_ = metadata.get("type", "")
