@@ -92,14 +92,14 @@ def prompt_from_hash(thread_id: str, prompt_id: str, h: Mapping[str, str]) -> Pr
     return Prompt(
         prompt_id=prompt_id,
         thread_id=thread_id,
-        kind=h["kind"],  # type: ignore[arg-type]
+        kind=h["kind"],
         questions=[Question.model_validate(q) for q in orjson.loads(h["questions"])],
-        state=h["state"],  # type: ignore[arg-type]
+        state=h["state"],
         item_id=h["item"],
         created_at=ms_datetime(h["created"]),
         answers=[Answer.model_validate(a) for a in orjson.loads(answers)] if answers else None,
         reason=h.get("reason"),
-        source=h.get("source"),  # type: ignore[arg-type]
+        source=h.get("source"),
         answer_item_id=h.get("answer_item"),
         resolved_at=_opt_ms(h.get("resolved")),
         delivered_at=_opt_ms(h.get("delivered")),

@@ -32,7 +32,7 @@ class Script:
 def _load(name: str) -> Script:
     lua = resources.files("broker") / "lua"
     source = (lua / "_lib.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
-    return Script(name, source, hashlib.sha1(source.encode()).hexdigest())  # noqa: S324 - Redis's id
+    return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
 
 
 class Scripts:
@@ -42,12 +42,12 @@ class Scripts:
         self.by_name = {name: _load(name) for name in NAMES}
 
     async def call(self, redis: Redis, name: str, keys: list[str], args: list[Any]) -> Any:
-        """Run one script; if the server lost it (a restart, SCRIPT FLUSH), load it and run again."""
+        """Run one script; if the server lost it (restart, SCRIPT FLUSH), load it and run again."""
         script = self.by_name[name]
         try:
             return await redis.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[misc]
         except NoScriptError:
-            await redis.script_load(script.source)  # type: ignore[no-untyped-call]
+            await redis.script_load(script.source)
             return await redis.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[misc]
 
     def queue(self, pipe: Pipeline, name: str, keys: list[str], args: list[Any]) -> None:
@@ -65,11 +65,10 @@ class Scripts:
         results: list[Any] = await pipe.execute(raise_on_error=False)
         for i, result in enumerate(results):
             if isinstance(result, NoScriptError):
-                args = stack[i][0]
-                sha = args[1]
+                _, sha, numkeys, *rest = stack[i][0]
                 script = next(s for s in self.by_name.values() if s.sha == sha)
-                await redis.script_load(script.source)  # type: ignore[no-untyped-call]
-                results[i] = await redis.evalsha(*args[1:])  # type: ignore[misc]
+                await redis.script_load(script.source)
+                results[i] = await redis.evalsha(script.sha, int(numkeys), *rest)  # type: ignore[misc,arg-type]
             elif isinstance(result, ResponseError | OSError):
                 raise result
         return results

@@ -182,7 +182,7 @@ class Waiter:
             ch.requested = False
         if ps is not None:
             with contextlib.suppress(RedisError, OSError):
-                await ps.aclose()
+                await ps.aclose()  # type: ignore[no-untyped-call]
 
     # -- the reader -------------------------------------------------------------------------
 
@@ -214,9 +214,7 @@ class Waiter:
                 delay = _BACKOFF[min(failures, len(_BACKOFF) - 1)]
                 failures += 1
                 self.reconnects += 1
-                logger.warning(
-                    "waiter.disconnected", extra={"error": repr(e), "retry_in": delay}
-                )
+                logger.warning("waiter.disconnected", extra={"error": repr(e), "retry_in": delay})
                 await self._drop_connection()
                 await asyncio.sleep(delay)
             except Exception:
@@ -230,8 +228,9 @@ class Waiter:
             ch.generation += 1
             ch.confirmed.set()
             # Anything on this channel may have been missed while it was not subscribed.
-            await self._reread([(w.thread_id, pid) for pid, w in self._waits.items()
-                                if w.channel == channel])
+            await self._reread(
+                [(w.thread_id, pid) for pid, w in self._waits.items() if w.channel == channel]
+            )
         elif kind == "message":
             try:
                 wake: Wake = orjson.loads(msg["data"])
@@ -270,8 +269,11 @@ class Waiter:
         """Re-read every waited prompt; drop channels nobody has needed for a while."""
         await self._reread([(w.thread_id, pid) for pid, w in self._waits.items()])
         now = asyncio.get_running_loop().time()
-        idle = [c for c, ch in self._channels.items()
-                if ch.waits <= 0 and now - ch.idle_since > self._sweep_interval]
+        idle = [
+            c
+            for c, ch in self._channels.items()
+            if ch.waits <= 0 and now - ch.idle_since > self._sweep_interval
+        ]
         if idle and self._pubsub is not None:
             for c in idle:
                 del self._channels[c]

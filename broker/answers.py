@@ -1,13 +1,17 @@
 """Answer mapping and content rendering: pure functions, no Redis, no asyncio.
 
 The rules are the spec's (`interactive-prompts.md`, "Answering"), with two documented
-improvements that never change an answer the spec defines:
+improvements that only turn what the spec would hand back as raw "Other" text into a label:
 
 * Multi-select labels that contain spaces can be chosen by name. Text is split into segments at
   commas; within a segment the longest run of words that matches a label wins, and otherwise each
   word is resolved alone. So `KPI cards, Table` gives `["KPI cards", "Table"]` where the reference
   gave `["Table"]`. Where no multi-word label matches, the result is the reference's.
 * Only ASCII digits are numbers. `²` or `٣` is text (the reference raised on them).
+* Labels and replies are compared trimmed, with inner whitespace collapsed and case-folded
+  (`str.casefold`), so a label `"Table "` matches `Table` and `KPI   cards` matches
+  `KPI cards`; affirmatives are case-folded too.
+* `map_text` answers only the questions it is given (a prompt always has at least one).
 
 Text mapping is split in two so the answer path can run inside Redis in one round trip:
 `prepare()` does everything that needs Python's Unicode (trim, case-fold, split, parse numbers) and

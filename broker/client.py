@@ -13,7 +13,9 @@ from arq.constants import job_key_prefix, result_key_prefix
 from arq.jobs import serialize_job
 from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from ulid import ULID
 
 from broker import _codec
@@ -23,6 +25,7 @@ from broker.answers import check_structured, matchers, prepare
 from broker.errors import (
     BadItem,
     BrokerClosed,
+    BrokerUnavailable,
     Fenced,
     PromptCancelled,
     PromptNotFound,
@@ -54,11 +57,14 @@ _RESERVED_TYPES = frozenset(
 _ITEM_KEYS = frozenset({"content", "metadata", "author"})
 _AUDIT_EXPIRES_MS = 86_400_000
 
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{ULID()}"
 
+
 def _ms(stream_id_or_ms: str) -> int:
     return int(stream_id_or_ms.partition("-")[0])
+
 
 class Broker:
     """The front door to prompts on Redis. Use it as an async context manager::
@@ -91,10 +97,15 @@ class Broker:
         self._closed = False
 
     @classmethod
-    def from_url(cls, url: str | None = None, settings: Settings | None = None) -> Broker:
-        """A Broker on its own connection pool; `url` defaults to the settings' `redis_url`."""
+    def from_url(
+        cls, url: str | None = None, settings: Settings | None = None, **redis_kwargs: Any
+    ) -> Broker:
+        """A Broker on its own connection pool; `url` defaults to the settings' `redis_url`.
+
+        `redis_kwargs` go to `redis.asyncio.Redis.from_url` (timeouts, `max_connections`, ...).
+        """
         settings = settings or Settings.from_env()
-        client = Redis.from_url(url or settings.redis_url, decode_responses=True)
+        client = Redis.from_url(url or settings.redis_url, decode_responses=True, **redis_kwargs)
         return cls(client, settings, owns_client=True)
 
     async def __aenter__(self) -> Self:
@@ -155,8 +166,18 @@ class Broker:
                 pipe,
                 "ask",
                 [tk.items, tk.active, tk.prompt(prompt_id), tk.session],
-                [prompt_id, item_id, self.identity, body, checked_kind, questions_json,
-                 orjson.dumps(matchers(qs)), _epoch(epoch), tk.base, tk.wake],
+                [
+                    prompt_id,
+                    item_id,
+                    self.identity,
+                    body,
+                    checked_kind,
+                    questions_json,
+                    orjson.dumps(matchers(qs)),
+                    _epoch(epoch),
+                    tk.base,
+                    tk.wake,
+                ],
             )
             pipe.zadd(self.keys.open, {self.keys.member(thread_id, prompt_id): ULID().milliseconds})
             (status, sid_or_epoch, superseded), _ = await self._scripts.run_pipeline(
@@ -172,8 +193,12 @@ class Broker:
             await self._after_cancel(thread_id, superseded)
         logger.info(
             "prompt.asked",
-            extra={"thread_id": thread_id, "prompt_id": prompt_id, "kind": checked_kind,
-                   "superseded": superseded or None},
+            extra={
+                "thread_id": thread_id,
+                "prompt_id": prompt_id,
+                "kind": checked_kind,
+                "superseded": superseded or None,
+            },
         )
         return Prompt(
             prompt_id=prompt_id,
@@ -195,7 +220,9 @@ class Broker:
             pass
         except (RedisError, OSError):
             pass
-        logger.warning("prompt.unavailable", extra={"thread_id": tk.thread_id, "error": repr(error)})
+        logger.warning(
+            "prompt.unavailable", extra={"thread_id": tk.thread_id, "error": repr(error)}
+        )
         raise PromptUnavailable(tk.thread_id, error) from error
 
     # -- waiting ---------------------------------------------------------------------------
@@ -204,7 +231,7 @@ class Broker:
         self,
         thread_id: str,
         prompt_id: str,
-        timeout: float | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - the documented contract
         *,
         epoch: int | None = None,
     ) -> list[Answer]:
@@ -228,19 +255,39 @@ class Broker:
         return answers
 
     async def _deliver(self, tk: ThreadKeys, prompt_id: str, epoch: int | None) -> None:
-        """Mark the answer delivered and enqueue its audit job, in one round trip."""
+        """Mark the answer delivered and enqueue its audit job, in one round trip.
+
+        Every step is idempotent (a second mark keeps the first time; the audit job is one per
+        prompt), so after a dropped connection one more try is safe.
+        """
         member = self.keys.member(tk.thread_id, prompt_id)
-        pipe = self.redis.pipeline(transaction=False)
-        self._scripts.queue(pipe, "deliver", [tk.prompt(prompt_id), tk.session], [_epoch(epoch)])
-        pipe.zrem(self.keys.open, member)
-        pipe.zadd(self.keys.audit, {member: ULID().milliseconds})
-        self._queue_audit_job(pipe, tk.thread_id, prompt_id)
-        (status, value), *_ = await self._scripts.run_pipeline(self.redis, pipe)
+        for attempt in (1, 2):
+            pipe = self.redis.pipeline(transaction=False)
+            self._scripts.queue(
+                pipe, "deliver", [tk.prompt(prompt_id), tk.session], [_epoch(epoch)]
+            )
+            pipe.zrem(self.keys.open, member)
+            pipe.zadd(self.keys.audit, {member: ULID().milliseconds})
+            self._queue_audit_job(pipe, tk.thread_id, prompt_id)
+            try:
+                (status, value), *_ = await self._scripts.run_pipeline(self.redis, pipe)
+                break
+            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+                if attempt == 2:
+                    raise BrokerUnavailable(
+                        "recording the delivery (the answer was not handed over: wait again)",
+                        e,
+                        None,
+                    ) from e
         if status == "fenced":
             raise Fenced(tk.thread_id, epoch or 0, int(value) if value else None)
         logger.info(
             "prompt.delivered",
-            extra={"thread_id": tk.thread_id, "prompt_id": prompt_id, "first": status == "delivered"},
+            extra={
+                "thread_id": tk.thread_id,
+                "prompt_id": prompt_id,
+                "first": status == "delivered",
+            },
         )
 
     def _queue_audit_job(self, pipe: Any, thread_id: str, prompt_id: str) -> None:
@@ -266,14 +313,17 @@ class Broker:
         """The waiter's reader: the resolved prompts among `pairs`, as wake messages."""
         pipe = self.redis.pipeline(transaction=False)
         for thread_id, prompt_id in pairs:
-            pipe.hmget(self.thread(thread_id).prompt(prompt_id), "state", "answers", "reason")
+            pipe.hmget(self.thread(thread_id).prompt(prompt_id), ["state", "answers", "reason"])
         wakes: dict[str, Wake] = {}
         for (_, prompt_id), (state, answers, reason) in zip(
             pairs, await pipe.execute(), strict=True
         ):
             if state == "answered":
-                wakes[prompt_id] = {"prompt_id": prompt_id, "state": state,
-                                    "answers": orjson.loads(answers)}
+                wakes[prompt_id] = {
+                    "prompt_id": prompt_id,
+                    "state": state,
+                    "answers": orjson.loads(answers),
+                }
             elif state == "cancelled":
                 wakes[prompt_id] = {"prompt_id": prompt_id, "state": state, "reason": reason}
             elif state is None:
@@ -293,13 +343,25 @@ class Broker:
         tk = self.thread(thread_id)
         p = _check_item(item, self.identity)
         item_id = _new_id("itm")
-        status, *rest = await self._scripts.call(
-            self.redis,
-            "route",
-            [tk.items, tk.active, tk.inbox],
-            [item_id, p.author, p.type, p.body, "self" if p.is_self else "user", p.named,
-             p.structured, p.refusal, p.prepared, tk.base, tk.wake],
-        )
+        keys = [tk.items, tk.active, tk.inbox]
+        args = [
+            item_id,
+            p.author,
+            p.type,
+            p.body,
+            "self" if p.is_self else "user",
+            p.named,
+            p.structured,
+            p.refusal,
+            p.prepared,
+            tk.base,
+            tk.wake,
+        ]
+        try:
+            reply = await self._scripts.call(self.redis, "route", keys, args)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            reply = await self._route_outcome_unknown(tk, item_id, keys, args, e)
+        status, *rest = reply
         if status == "stale":
             state, active = rest
             raise StaleAnswer(thread_id, p.named, state, active or None)
@@ -320,6 +382,39 @@ class Broker:
             source=source,
             refused_answers=refusal or None,
         )
+
+    async def _route_outcome_unknown(
+        self, tk: ThreadKeys, item_id: str, keys: list[str], args: list[Any], error: Exception
+    ) -> list[Any]:
+        """The route call failed in flight. Find out whether it happened; if not, try once more.
+
+        The item id was minted here, so the thread stream says whether it was added; if it was,
+        the inbox or the answered prompt's record says how it was routed.
+        """
+        try:
+            found = await self._find_routed(tk, item_id)
+            if found is not None:
+                return found
+            return list(await self._scripts.call(self.redis, "route", keys, args))
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e2:
+            raise BrokerUnavailable("posting the item", e2, None) from error
+
+    async def _find_routed(self, tk: ThreadKeys, item_id: str) -> list[Any] | None:
+        entries = await self.redis.xrevrange(tk.items, "+", "-", count=1000)
+        ids = [fields.get("id") for _, fields in entries]
+        if item_id not in ids:
+            return None
+        at = ids.index(item_id)
+        if entries[at][1].get("author") == self.identity:
+            return ["posted", item_id]
+        for _, fields in entries[at + 1 :]:
+            if fields.get("type") != "pending_prompt":
+                continue
+            prompt_id = orjson.loads(fields["body"])["metadata"]["prompt"]["prompt_id"]
+            h: dict[str, str] = await self.redis.hgetall(tk.prompt(prompt_id))  # type: ignore[misc]
+            if h.get("answer_item") == item_id:
+                return ["answered", item_id, prompt_id, h["answers"], h["source"], ""]
+        return ["queued", item_id]
 
     # -- cancelling --------------------------------------------------------------------------
 
@@ -371,7 +466,8 @@ class Broker:
     async def get_prompt(self, thread_id: str, prompt_id: str) -> Prompt:
         """The prompt's record; `PromptNotFound` if there is none."""
         self._check_open()
-        h = await self.redis.hgetall(self.thread(thread_id).prompt(check_prompt_id(prompt_id)))
+        key = self.thread(thread_id).prompt(check_prompt_id(prompt_id))
+        h: dict[str, str] = await self.redis.hgetall(key)  # type: ignore[misc]
         if not h:
             raise PromptNotFound(thread_id, prompt_id)
         return _codec.prompt_from_hash(thread_id, prompt_id, h)
@@ -465,14 +561,22 @@ class Broker:
             elif prompt.state == "pending" or (
                 prompt.state == "answered" and prompt.delivered_at is None
             ):
-                status, value = "refused", prompt.state if prompt.state == "pending" else "undelivered"
+                status, value = (
+                    "refused",
+                    prompt.state if prompt.state == "pending" else "undelivered",
+                )
             else:
                 status, value = await self._scripts.call(
                     self.redis,
                     "audit",
                     [tk.prompt(prompt_id), tk.items],
-                    [_new_id("itm"), self.identity, _codec.resolved_body(prompt), prompt.state,
-                     self.settings.resolved_ttl],
+                    [
+                        _new_id("itm"),
+                        self.identity,
+                        _codec.resolved_body(prompt),
+                        prompt.state,
+                        self.settings.resolved_ttl,
+                    ],
                 )
             if status in ("posted", "already"):
                 pipe = self.redis.pipeline(transaction=False)
@@ -480,8 +584,10 @@ class Broker:
                 pipe.zrem(self.keys.open, member)
                 await pipe.execute()
                 if status == "posted":
-                    logger.info("prompt.audited", extra={"thread_id": thread_id,
-                                                         "prompt_id": prompt_id, "item_id": value})
+                    logger.info(
+                        "prompt.audited",
+                        extra={"thread_id": thread_id, "prompt_id": prompt_id, "item_id": value},
+                    )
                 return str(value)
             if value == "missing":
                 return None
@@ -494,12 +600,17 @@ class Broker:
                 unindexed = True
         return None  # the state kept changing under us: the reconcile job comes back
 
+
 def _epoch(epoch: int | None) -> str:
     return "" if epoch is None else str(int(epoch))
 
+
 def _check_size(body: bytes, field: str) -> None:
     if len(body) > LIMITS["item_bytes"]:
-        raise BadItem(field, f"{len(body)} bytes as JSON, over the {LIMITS['item_bytes']}-byte limit")
+        raise BadItem(
+            field, f"{len(body)} bytes as JSON, over the {LIMITS['item_bytes']}-byte limit"
+        )
+
 
 def _check_prompt(kind: object, questions: object) -> tuple[Kind, list[Question]]:
     if kind not in KINDS:
@@ -509,7 +620,9 @@ def _check_prompt(kind: object, questions: object) -> tuple[Kind, list[Question]
     if not questions:
         raise BadItem("questions", "a prompt needs at least one question")
     if len(questions) > LIMITS["questions"]:
-        raise BadItem("questions", f"{len(questions)} questions, over the limit of {LIMITS['questions']}")
+        raise BadItem(
+            "questions", f"{len(questions)} questions, over the limit of {LIMITS['questions']}"
+        )
     qs: list[Question] = []
     for i, q in enumerate(questions):
         try:
@@ -524,7 +637,8 @@ def _check_prompt(kind: object, questions: object) -> tuple[Kind, list[Question]
         raise BadItem("questions", f"a {kind} prompt has exactly one question, not {len(qs)}")
     if kind == "text" and qs[0].options:
         raise BadItem("questions[0].options", "a text prompt has no options")
-    return kind, qs  # type: ignore[return-value]
+    return kind, qs
+
 
 class _CheckedItem:
     """An inbound item, checked and made ready for route.lua."""
@@ -538,6 +652,7 @@ class _CheckedItem:
         self.refusal = ""
         self.prepared: bytes | str = ""
 
+
 def _check_item(item: Mapping[str, Any] | BaseModel, identity: str) -> _CheckedItem:
     data = item.model_dump() if isinstance(item, BaseModel) else item
     if not isinstance(data, Mapping):
@@ -545,18 +660,10 @@ def _check_item(item: Mapping[str, Any] | BaseModel, identity: str) -> _CheckedI
     unknown = sorted(set(data) - _ITEM_KEYS)
     if unknown:
         raise BadItem(f"item.{unknown[0]}", "unknown field (an item has content, metadata, author)")
-    author = data.get("author", "user")
-    if not isinstance(author, str) or not author or len(author) > LIMITS["author_chars"]:
-        raise BadItem("author", f"expected a non-empty string of at most {LIMITS['author_chars']} characters")
+    author = _check_author(data.get("author", "user"))
     content = data.get("content", [])
     text, has_file = _check_content(content)
-    metadata = data.get("metadata")
-    metadata = {} if metadata is None else metadata
-    if not isinstance(metadata, Mapping):
-        raise BadItem("metadata", f"expected an object, got {type(metadata).__name__}")
-    type_ = metadata.get("type", "")
-    if not isinstance(type_, str):
-        raise BadItem("metadata.type", "expected a string")
+    metadata, type_ = _check_metadata(data.get("metadata"))
     is_self = author == identity
     if type_ in _RESERVED_TYPES and not is_self:
         raise BadItem("metadata.type", f"{type_!r} items are posted by the broker only")
@@ -580,6 +687,24 @@ def _check_item(item: Mapping[str, Any] | BaseModel, identity: str) -> _CheckedI
         )
     return checked
 
+
+def _check_author(author: object) -> str:
+    limit = LIMITS["author_chars"]
+    if not isinstance(author, str) or not author or len(author) > limit:
+        raise BadItem("author", f"expected a non-empty string of at most {limit} characters")
+    return author
+
+
+def _check_metadata(metadata: object) -> tuple[Mapping[str, Any], str]:
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, Mapping):
+        raise BadItem("metadata", f"expected an object, got {type(metadata).__name__}")
+    type_ = metadata.get("type", "")
+    if not isinstance(type_, str):
+        raise BadItem("metadata.type", "expected a string")
+    return metadata, type_
+
+
 def _check_content(content: object) -> tuple[str, bool]:
     """The item's text (non-empty text blocks joined by newlines) and whether it has a file."""
     if not isinstance(content, list):
@@ -596,7 +721,11 @@ def _check_content(content: object) -> tuple[str, bool]:
                 texts.append(block["text"])
         elif block["type"] == "file":
             file = block.get("file")
-            if not isinstance(file, Mapping) or not isinstance(file.get("alias"), str) or not file["alias"]:
+            if (
+                not isinstance(file, Mapping)
+                or not isinstance(file.get("alias"), str)
+                or not file["alias"]
+            ):
                 raise BadItem(f"content[{i}].file.alias", "expected a non-empty string")
             has_file = True
     return "\n".join(texts), has_file

@@ -3,10 +3,11 @@
     BrokerError
     ├── BadItem              bad input: names the field; nothing was written
     ├── PromptUnavailable    the question could not be delivered; nobody refused; ask again
-    ├── PromptCancelled      the prompt was cancelled (superseded, run ended, ...): carries the reason
+    ├── PromptCancelled      the prompt was cancelled (superseded, run ended): carries the reason
     ├── StaleAnswer          an answer named a prompt that is not the thread's active one
     ├── PromptNotFound       no such prompt on that thread
-    ├── Fenced               the caller's lease epoch moved on: another replica holds the thread
+    ├── Fenced               the caller's lease epoch moved on (another replica holds it)
+    ├── BrokerUnavailable    Redis could not be reached; says whether the call took effect
     └── BrokerClosed         the broker was used after it was closed
 
 `wait()` raises the builtin `TimeoutError` on timeout: the prompt stays open.
@@ -18,6 +19,7 @@ __all__ = [
     "BadItem",
     "BrokerClosed",
     "BrokerError",
+    "BrokerUnavailable",
     "Fenced",
     "PromptCancelled",
     "PromptNotFound",
@@ -103,6 +105,17 @@ class Fenced(BrokerError):
             f"thread {thread_id}: lease epoch {epoch} is stale (now {current}); "
             "another replica holds this thread"
         )
+
+
+class BrokerUnavailable(BrokerError, ConnectionError):
+    """Redis could not be reached. `took_effect` is False when the call certainly did nothing,
+    None when that is unknown (the message says so, and how to find out)."""
+
+    def __init__(self, what: str, cause: BaseException, took_effect: bool | None) -> None:
+        self.cause = cause
+        self.took_effect = took_effect
+        outcome = {False: "it did not take effect", None: "it may or may not have taken effect"}
+        super().__init__(f"{what}: Redis could not be reached ({cause}); {outcome[took_effect]}")
 
 
 class BrokerClosed(BrokerError, RuntimeError):

@@ -3,18 +3,19 @@
 All keys of a thread share one hash tag, so each script touches one slot (Redis Cluster ready).
 With the default prefix `pp`:
 
-| key                          | type       | holds                                                    |
-|------------------------------|------------|----------------------------------------------------------|
-| `pp:{T}:items`               | stream     | the thread, in order; fields `id`, `author`, `type`, `body` (JSON content + metadata); the entry id's time is `created_at` |
-| `pp:{T}:prompt:<prompt_id>`  | hash       | one prompt: `kind`, `questions`, `match`, `state`, `item`, `created`, then `answers`/`reason`, `source`, `answer_item`, `resolved`, `delivered`, `audit_item` |
-| `pp:{T}:active`              | string     | the id of the thread's one active prompt: the lock       |
-| `pp:{T}:inbox`               | list       | items (JSON) posted while no prompt was active           |
-| `pp:{T}:session`             | hash       | the agent session driving the thread (owner, epoch, ...) |
-| `pp:{T}:wake`                | channel    | the doorbell: resolutions and queued items, as JSON      |
-| `pp:open`                    | sorted set | `T/prompt_id` of open prompts by creation time (ms)      |
-| `pp:audit`                   | sorted set | `T/prompt_id` of resolutions whose audit item is not yet posted |
-| `pp:leases`                  | sorted set | thread id -> lease deadline (ms, server time)            |
-| `pp:audit:queue`             | sorted set | the arq queue of audit jobs (arq's own `arq:job:*` keys hold the jobs) |
+- `pp:{T}:items` (stream): the thread, in order. Fields `id`, `author`, `type`, `body` (JSON
+  content and metadata); the entry id's time is the item's `created_at`.
+- `pp:{T}:prompt:<prompt_id>` (hash): one prompt. `kind`, `questions`, `match` (what mapping
+  needs), `state`, `item`, `sid`, `created`; once resolved `answers` or `reason`, `source`,
+  `answer_item`, `resolved`; then `delivered` and `audit_item`.
+- `pp:{T}:active` (string): the id of the thread's one active prompt: the lock.
+- `pp:{T}:inbox` (list): items (JSON) posted while no prompt was active.
+- `pp:{T}:session` (hash): the agent session driving the thread (owner, epoch, ...).
+- `pp:{T}:wake` (channel): the doorbell: resolutions and queued items, as JSON.
+- `pp:open` (sorted set): `T/prompt_id` of open prompts by creation time (ms).
+- `pp:audit` (sorted set): `T/prompt_id` of resolutions whose audit item is not yet posted.
+- `pp:leases` (sorted set): thread id -> lease deadline (ms, server time).
+- `pp:audit:queue` (sorted set): the arq queue of audit jobs (arq's `arq:job:*` keys hold them).
 
 `pp:open`, `pp:audit` and `pp:leases` are discovery indexes: the per-thread records decide, and a
 sweep rebuilds the indexes from them. Nothing that holds an open prompt ever has a TTL.

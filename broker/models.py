@@ -53,7 +53,7 @@ class Question(_Wire):
     question: str
     header: str = ""
     options: list[Option] = Field(default_factory=list)
-    multiSelect: bool = False  # noqa: N815 - the wire name
+    multiSelect: bool = False
     subject: str | None = None
     grant_key: str | None = None
 

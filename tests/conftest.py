@@ -53,9 +53,25 @@ class RedisServer:
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.skip("redis-server is not on PATH")
-        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                "--save", "", "--appendonly", "yes" if self.appendonly else "no",
-                "--appendfsync", "always", "--daemonize", "no", "--loglevel", "warning"]
+        args = [
+            exe,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "always",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+        ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

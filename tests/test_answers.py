@@ -250,7 +250,9 @@ def test_multi_select_mixes_numbers_and_case_insensitive_names() -> None:
         ("² 4 ٣", ["delta"]),
     ],
 )
-def test_multi_select_drops_unknown_tokens_when_one_resolves(text: str, expected: list[str]) -> None:
+def test_multi_select_drops_unknown_tokens_when_one_resolves(
+    text: str, expected: list[str]
+) -> None:
     """Unresolved tokens are dropped silently when at least one token resolves."""
     assert multi(text, *LETTERS) == expected
 
@@ -277,7 +279,11 @@ def test_multi_select_label_with_spaces_ignores_case_and_spacing(text: str) -> N
 
 def test_multi_select_multi_word_label_mixes_with_numbers() -> None:
     """Multi-word names, single-word names and numbers combine in typed order."""
-    assert one("ask_user_question", SECTIONS, "4, csv import 2") == ["Chart", "CSV import", "KPI cards"]
+    assert one("ask_user_question", SECTIONS, "4, csv import 2") == [
+        "Chart",
+        "CSV import",
+        "KPI cards",
+    ]
 
 
 def test_multi_select_longest_run_wins() -> None:
@@ -347,7 +353,11 @@ def test_empty_label_can_still_be_picked_by_number(variant: bool) -> None:
     assert one("ask_user_question", q("Q?", "", "x", multi=variant), "1") == [""]
 
 
-@pytest.mark.parametrize("digit", ["²", "٣", "١", "３", "۲", "₂", "߂"])
+# superscript 2, arabic-indic 3 and 1, fullwidth 3, extended arabic-indic 2, subscript 2, NKo 2
+NON_ASCII_DIGITS = ["\u00b2", "\u0663", "\u0661", "\uff13", "\u06f2", "\u2082", "\u07c2"]
+
+
+@pytest.mark.parametrize("digit", NON_ASCII_DIGITS)
 @pytest.mark.parametrize("variant", [False, True])
 def test_non_ascii_digits_are_text(digit: str, variant: bool) -> None:
     """Non-ASCII digit characters are never option numbers: they map as text and never raise."""
@@ -501,8 +511,10 @@ def test_verdict_agrees_with_text_mapping() -> None:
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.sampled_from(["answer", "question", "x"]), children, max_size=3),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(st.sampled_from(["answer", "question", "x"]), children, max_size=3)
+    ),
     max_leaves=12,
 )
 
@@ -547,7 +559,7 @@ def test_render_content_omits_empty_descriptions() -> None:
 
 
 def test_render_content_several_questions_without_blank_lines_or_header() -> None:
-    """Questions follow each other line by line; no header, no blank lines, no header/multiSelect."""
+    """Questions follow line by line: no header line, no blank lines, no header or multiSelect."""
     questions = [
         Question(
             question="Where should the data come from?",
@@ -621,7 +633,7 @@ questions = st.builds(
 def replies(draw: st.DrawFn, labels: Sequence[str] = ()) -> str:
     """Reply text: labels, their case variants, numbers and separators, or anything at all."""
     pool = [*labels, *WORDS, "0", "99", "²", "٣"]
-    token = st.sampled_from(pool).map(lambda t: t) | st.sampled_from(pool).map(str.upper)
+    token = st.sampled_from(pool) | st.sampled_from(pool).map(str.upper)
     sep = st.sampled_from([",", " ", ", ", " ,", ",,", "\t", "\u00a0", "\u3000", "\n"])
     parts = draw(st.lists(st.tuples(token, sep), max_size=5))
     built = "".join(t + s for t, s in parts)
@@ -705,7 +717,7 @@ def reference_answer(question: Question, text: str) -> list[str]:
 
 plain_label = st.one_of(
     st.sampled_from(["staging", "KPI", "Table", "straße", "yes", "1", "2", "²", "", "İ", "ǅ"]),
-    st.text(st.characters(exclude_categories=("Z", "Cc", "Cs")), max_size=8),
+    st.text(max_size=8),
 ).filter(lambda s: not any(c.isspace() or c == "," for c in s))
 
 

@@ -23,7 +23,8 @@ def text(t: str) -> dict[str, Any]:
 
 def resolutions(items: list[Any], prompt_id: str) -> list[Any]:
     return [
-        i for i in items
+        i
+        for i in items
         if i.type == "pending_prompt_resolved" and i.metadata["prompt"]["prompt_id"] == prompt_id
     ]
 
@@ -63,7 +64,9 @@ async def test_answer_audited_once_after_delivery(broker: Broker, run_worker: Ru
     await run_worker(broker)
     [res] = resolutions(await broker.items("t"), p.prompt_id)
     assert res.metadata["prompt"] == {
-        "prompt_id": p.prompt_id, "kind": "approval", "prompt_state": "answered",
+        "prompt_id": p.prompt_id,
+        "kind": "approval",
+        "prompt_state": "answered",
         "answers": [a.model_dump() for a in answers],
     }
     assert res.text == "✓ Answered: Approve"
@@ -90,7 +93,9 @@ async def test_cancel_audited_with_reason(broker: Broker, run_worker: RunWorker)
     await run_worker(broker)
     [res] = resolutions(await broker.items("t"), p.prompt_id)
     assert res.metadata["prompt"] == {
-        "prompt_id": p.prompt_id, "kind": "text", "prompt_state": "cancelled",
+        "prompt_id": p.prompt_id,
+        "kind": "text",
+        "prompt_state": "cancelled",
         "reason": "the run ended",
     }
     assert res.text == "✗ Cancelled: the run ended"

@@ -48,14 +48,32 @@ async def test_pending_prompt_item_matches_spec(broker: Broker) -> None:
     p = await broker.ask("t", "ask_user_question", [TARGET])
     [item] = await broker.items("t")
     assert item.id == p.item_id and item.author == broker.identity
-    assert item.content == [{"type": "text", "text": (
-        "What's the deployment target?\n"
-        "  1. staging — push to staging.example.com\n"
-        "  2. production — push to www.example.com")}]
-    assert item.metadata == {"type": "pending_prompt", "prompt": {
-        "prompt_id": p.prompt_id, "kind": "ask_user_question", "prompt_state": "pending",
-        "questions": [{"question": TARGET["question"], "header": "", "multiSelect": False,
-                       "options": TARGET["options"]}]}}
+    assert item.content == [
+        {
+            "type": "text",
+            "text": (
+                "What's the deployment target?\n"
+                "  1. staging — push to staging.example.com\n"
+                "  2. production — push to www.example.com"
+            ),
+        }
+    ]
+    assert item.metadata == {
+        "type": "pending_prompt",
+        "prompt": {
+            "prompt_id": p.prompt_id,
+            "kind": "ask_user_question",
+            "prompt_state": "pending",
+            "questions": [
+                {
+                    "question": TARGET["question"],
+                    "header": "",
+                    "multiSelect": False,
+                    "options": TARGET["options"],
+                }
+            ],
+        },
+    }
     assert p.prompt_id.startswith("prm_") and item.id.startswith("itm_")
     assert (await broker.active_prompt("t")) == await broker.get_prompt("t", p.prompt_id)
 
@@ -140,8 +158,10 @@ async def test_own_items_are_never_answers(broker: Broker) -> None:
 async def test_structured_answers_used_as_they_stand(broker: Broker) -> None:
     """A full `metadata.answers` set is used verbatim: no mapping, labels not validated."""
     p = await broker.ask("t", "ask_user_question", [TARGET, SECTIONS])
-    answers = [{"question": TARGET["question"], "answer": ["somewhere else"]},
-               {"question": SECTIONS["question"], "answer": []}]
+    answers = [
+        {"question": TARGET["question"], "answer": ["somewhere else"]},
+        {"question": SECTIONS["question"], "answer": []},
+    ]
     r = await broker.post_item("t", text("summary", answers=answers))
     assert r.source == "structured" and r.refused_answers is None
     assert [a.model_dump() for a in r.answers or []] == answers
@@ -162,7 +182,8 @@ async def test_malformed_structured_answers_refused_text_mapped(broker: Broker) 
     await broker.ask("t", "ask_user_question", [TARGET])
     r = await broker.post_item("t", text("staging", answers=[{"answer": "staging"}]))
     assert r.source == "text" and r.refused_answers == (
-        "metadata.answers[0].answer: expected a list of strings")
+        "metadata.answers[0].answer: expected a list of strings"
+    )
 
 
 async def test_empty_structured_answers_is_absent(broker: Broker) -> None:
@@ -176,8 +197,13 @@ async def test_empty_structured_answers_is_absent(broker: Broker) -> None:
 async def test_contentless_structured_answer_accepted(broker: Broker) -> None:
     """An item with only `metadata.answers` answers (the reference dropped it)."""
     p = await broker.ask("t", "approval", [APPROVAL])
-    r = await broker.post_item("t", {"content": [], "metadata": {
-        "answers": [{"question": APPROVAL["question"], "answer": ["Approve"]}]}})
+    r = await broker.post_item(
+        "t",
+        {
+            "content": [],
+            "metadata": {"answers": [{"question": APPROVAL["question"], "answer": ["Approve"]}]},
+        },
+    )
     assert (r.outcome, r.prompt_id, r.source) == ("answered", p.prompt_id, "structured")
 
 
@@ -186,8 +212,13 @@ async def test_contentless_wrong_arity_refused_nothing_written(broker: Broker) -
     await broker.ask("t", "approval", [APPROVAL])
     before = await stream_len(broker, "t")
     with pytest.raises(BadItem) as e:
-        await broker.post_item("t", {"content": [], "metadata": {"answers": [
-            {"answer": ["Approve"]}, {"answer": ["Deny"]}]}})
+        await broker.post_item(
+            "t",
+            {
+                "content": [],
+                "metadata": {"answers": [{"answer": ["Approve"]}, {"answer": ["Deny"]}]},
+            },
+        )
     assert e.value.field == "metadata.answers"
     assert await stream_len(broker, "t") == before
     assert await broker.active_prompt("t") is not None
@@ -326,8 +357,9 @@ async def test_cancel_with_nothing_active_is_noop(broker: Broker) -> None:
 async def test_many_waits_share_one_pubsub_connection(broker: Broker) -> None:
     """A hundred waits on a hundred threads use the Broker's one pub/sub connection."""
     prompts = [await broker.ask(f"t{i}", "approval", [APPROVAL]) for i in range(100)]
-    waits = [asyncio.create_task(broker.wait(p.thread_id, p.prompt_id, timeout=10))
-             for p in prompts]
+    waits = [
+        asyncio.create_task(broker.wait(p.thread_id, p.prompt_id, timeout=10)) for p in prompts
+    ]
     await asyncio.sleep(0.1)
     assert broker._waiter._pubsub is not None
     for p in prompts:
@@ -350,7 +382,8 @@ async def test_racing_surfaces_exactly_one_wins(make_broker: BrokerFactory) -> N
     surfaces = [await make_broker() for _ in range(20)]
     p = await surfaces[0].ask("t", "ask_user_question", [TARGET])
     routed = await asyncio.gather(
-        *(s.post_item("t", text(f"answer {i}")) for i, s in enumerate(surfaces)))
+        *(s.post_item("t", text(f"answer {i}")) for i, s in enumerate(surfaces))
+    )
     winners = [r for r in routed if r.outcome == "answered"]
     assert len(winners) == 1 and winners[0].prompt_id == p.prompt_id
     assert len(await surfaces[0].take_inbox("t")) == 19

@@ -29,7 +29,7 @@ from broker.client import AUDIT_JOB
 
 logger = logging.getLogger("workers.audit")
 
-__all__ = ["AuditWorker", "WorkerSettings", "post_resolution", "reconcile", "rebuild_indexes"]
+__all__ = ["AuditWorker", "WorkerSettings", "post_resolution", "rebuild_indexes", "reconcile"]
 
 FULL_SWEEP_EVERY = 10
 _PROMPT_KEY = re.compile(r"^(?P<prefix>.+):\{(?P<thread>[^}]+)\}:prompt:(?P<prompt>prm_\w+)$")

@@ -1,0 +1,220 @@
+"""route.lua's text mapping equals Python's `map_text`, on fakeredis and on a real redis-server.
+
+The answer path maps text inside Redis (broker/lua/route.lua, a port of `answers.map_prepared`).
+Each example asks a generated prompt through `Broker.ask` on a fresh thread, posts a generated
+reply through `Broker.post_item`, and holds the routed answers equal to `map_text`.
+
+Hypothesis and pytest-asyncio's function-scoped fixtures do not mix, so each example builds its
+own client and runs its async body with `asyncio.run`: a fresh `FakeServer`, or the real server
+under a key prefix of its own whose keys are deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import fakeredis
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from redis.asyncio import Redis
+
+from broker import Answer, Broker, Option, Question, Settings, map_text
+
+# -- running one example -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["fake", pytest.param("real", marks=pytest.mark.real_redis)])
+def redis_url(request: pytest.FixtureRequest) -> str | None:
+    """None for fakeredis, else the session's real server (module scope: hypothesis-safe)."""
+    if request.param == "fake":
+        return None
+    return str(request.getfixturevalue("real_redis_url"))
+
+
+async def _delete_prefix(client: Redis, prefix: str) -> None:
+    """Delete this example's keys only: never a FLUSHDB on the shared server."""
+    for pattern in (f"{prefix}:*", f"arq:*:{prefix}:*"):
+        keys = [k async for k in client.scan_iter(match=pattern, count=1000)]
+        if keys:
+            await client.delete(*keys)
+
+
+async def _route(url: str | None, kind: str, questions: list[Question], text: str) -> list[Answer]:
+    """Ask `questions` on a fresh thread, post `text`, and return the answers route.lua gave."""
+    prefix = "par" + uuid.uuid4().hex[:12]
+    client: Redis
+    if url is None:
+        client = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    else:
+        client = Redis.from_url(url, decode_responses=True)
+    try:
+        async with Broker(client, Settings(key_prefix=prefix)) as broker:
+            thread = "th-" + uuid.uuid4().hex[:8]
+            prompt = await broker.ask(thread, kind, questions)
+            routed = await broker.post_item(thread, {"content": [{"type": "text", "text": text}]})
+            assert routed.outcome == "answered"
+            assert routed.source == "text"
+            assert routed.prompt_id == prompt.prompt_id
+            assert routed.answers is not None
+            stored = await broker.get_prompt(thread, prompt.prompt_id)
+            assert stored.answers == routed.answers
+            return routed.answers
+    finally:
+        if url is not None:
+            await _delete_prefix(client, prefix)
+        await client.aclose()
+
+
+def routed_answers(url: str | None, kind: str, questions: list[Question], text: str) -> Any:
+    return asyncio.run(_route(url, kind, questions, text))
+
+
+# -- strategies ----------------------------------------------------------------------------------
+
+INTERESTING_LABELS = [
+    "staging",
+    "production",
+    "KPI cards",
+    "kpi CARDS",
+    "Table",
+    "CSV import",
+    "straße",
+    "Straße",
+    "STRASSE",
+    "1",
+    "2",
+    "10",
+    "01",
+    "0",
+    "²",
+    "٣",
+    "",
+    " ",
+    "a b",
+    "a b c",
+    "b c",
+    "Approve",
+    "Deny",
+    "Approve & remember",
+    "yes",
+    "naïve café",
+    "日本 語",
+    "x,y",
+    "nul\x00byte",
+    "🙂 ok",
+    "İstanbul",
+    "ǅemal",
+    "\u00a0padded\u3000",
+    "Table ",
+    "tab\tbed",
+]
+SEPARATORS = [
+    ",",
+    " ",
+    ", ",
+    " , ",
+    ",,",
+    "\t",
+    "\n",
+    "\u00a0",
+    "\u2003",
+    "\u3000",
+    "\u2028",
+    "\x1f",
+    "\x85",
+]
+
+labels = st.one_of(
+    st.sampled_from(INTERESTING_LABELS),
+    st.text(max_size=10),
+    st.lists(st.sampled_from(["a", "b", "c", "KPI", "cards", "Straße", "2"]), max_size=3).map(
+        " ".join
+    ),
+)
+options = st.lists(
+    st.builds(Option, label=labels, description=st.sampled_from(["", "why"])), max_size=7
+)
+question_texts = st.sampled_from(["Target?", "Which sections?", "", "¿Qué?"]) | st.text(max_size=8)
+choice_questions = st.builds(
+    Question, question=question_texts, options=options, multiSelect=st.booleans()
+)
+
+
+@st.composite
+def prompts(draw: st.DrawFn) -> tuple[str, list[Question]]:
+    """A prompt the broker accepts: approval and text have one question, text has no options."""
+    kind = draw(st.sampled_from(["ask_user_question", "approval", "text"]))
+    if kind == "ask_user_question":
+        return kind, draw(st.lists(choice_questions, min_size=1, max_size=4))
+    if kind == "approval":
+        standard = Question(
+            question="Run it?", options=[Option(label="Approve"), Option(label="Deny")]
+        )
+        return kind, [draw(st.just(standard) | choice_questions)]
+    return kind, [Question(question=draw(question_texts))]
+
+
+def _variants(token: str) -> list[str]:
+    return [token, token.upper(), token.lower(), token.casefold(), token.title()]
+
+
+@st.composite
+def reply_for(draw: st.DrawFn, questions: list[Question]) -> str:
+    """A non-empty reply: labels (or their words) in case variants, numbers and separators."""
+    pool = ["0", "99", "²", "٣", "yes", "OK", "approve", "sure", "STRASSE"]
+    for question in questions:
+        pool.append(str(len(question.options) + 1))
+        for n, option in enumerate(question.options, 1):
+            pool += [str(n), f"0{n}", *_variants(option.label), *option.label.split()]
+    tokens = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=5))
+    seps = draw(st.lists(st.sampled_from(SEPARATORS), min_size=len(tokens), max_size=len(tokens)))
+    built = "".join(t + s for t, s in zip(tokens, seps, strict=True))
+    edge = draw(st.sampled_from(["", " ", "\t", "\u00a0"]))
+    text = draw(st.sampled_from([built, built.strip(), edge + built]) | st.text(min_size=1))
+    return text if text else " "
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[str, list[Question], str]:
+    kind, questions = draw(prompts())
+    return kind, questions, draw(reply_for(questions))
+
+
+def _q(*names: str, multi: bool = False) -> Question:
+    return Question(question="Q?", options=[Option(label=n) for n in names], multiSelect=multi)
+
+
+SECTIONS = _q("CSV import", "KPI cards", "Table", multi=True)
+
+
+# -- the property ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+@example(("ask_user_question", [SECTIONS], "KPI cards, Table"))
+@example(("ask_user_question", [SECTIONS], "kpi\u3000CARDS table,,2"))
+@example(("ask_user_question", [_q("a b", "a b c", "c", multi=True)], "A  B C, c"))
+@example(("ask_user_question", [_q("Weg", "straße")], "STRASSE"))
+@example(("ask_user_question", [_q("Weg", "straße", multi=True)], "STRASSE\u00a0weg 1"))
+@example(("ask_user_question", [_q("a", "b", "c")], "²"))
+@example(("ask_user_question", [_q("a", "²", multi=True)], "² ٣ 1"))
+@example(("ask_user_question", [_q("", " ", "x")], " "))
+@example(("ask_user_question", [_q("", "x", multi=True)], "1, 1"))
+@example(("ask_user_question", [_q("a", "b")], "1" * 40))
+@example(("ask_user_question", [_q("a", "b")], "000000000002"))
+@example(("ask_user_question", [_q("nul\x00byte", "x")], "NUL\x00BYTE"))
+@example(("ask_user_question", [_q("a", "b", multi=True), _q("c"), Question(question="free")], "2"))
+@example(("approval", [_q("Approve", "Deny", "Approve & remember")], "Approve & remember"))
+@example(("approval", [_q("Approve", "Deny")], " YES\n"))
+@example(("text", [Question(question="Name?")], "  1, yes \u3000"))
+def test_route_lua_maps_text_like_python(
+    redis_url: str | None, case: tuple[str, list[Question], str]
+) -> None:
+    """The answers route.lua gives a text reply equal `map_text` for the same prompt and text."""
+    kind, questions, text = case
+    expected = map_text(kind, questions, text)  # type: ignore[arg-type]
+    assert routed_answers(redis_url, kind, questions, text) == expected

@@ -1,0 +1,131 @@
+"""The agent interface: what a replica needs of a coding-agent harness, and what it gives one.
+
+A harness runs one *turn* at a time: it gets the turn's input text and a prompt handle, posts its
+output through `emit`, and asks a person through `handle.ask`. Whatever it needs to continue the
+same agent session on a later turn (a harness session id, a script position) it returns as
+`state`; the replica stores it in Redis, so the next turn may run on any replica.
+
+`handle.ask(kind, questions)` returns the person's answers, or raises:
+
+- `PromptParked`: nobody has answered yet and this replica stopped holding the call (held-wait
+  cap, shutdown). The turn must end now; the prompt stays open, and its answer starts a resume
+  turn (`Turn.resume`) wherever the thread is held. Nobody refused anything.
+- `PromptCancelled`: the prompt was cancelled (superseded, the run ended). Nobody refused.
+- `PromptUnavailable`: the question could not be delivered. Nobody refused; asking again retries.
+
+Only answers are ever a person's denial; a harness must tell its agent the difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from broker import Answer, BrokerError, Kind, Question
+
+__all__ = [
+    "Harness",
+    "Permissions",
+    "PromptHandle",
+    "PromptParked",
+    "Resume",
+    "Turn",
+    "TurnResult",
+    "approval_question",
+]
+
+Permissions = Literal["approval", "autonomous"]
+
+
+class PromptParked(BrokerError):
+    """The turn must end: a person has not answered yet, and nobody refused.
+
+    The prompt stays open; its answer will start a resume turn.
+    """
+
+    def __init__(self, prompt_id: str, kind: str, subject: str) -> None:
+        self.prompt_id = prompt_id
+        self.kind = kind
+        self.subject = subject
+        super().__init__(
+            f"prompt {prompt_id} is waiting for a person; this turn ends here and nobody has "
+            "refused anything. The answer will come back in a later turn, with whether to retry."
+        )
+
+
+class PromptHandle(Protocol):
+    async def ask(self, kind: Kind, questions: Sequence[Question]) -> list[Answer]:
+        """Ask a person; see the module docstring for what it raises."""
+        ...
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Why a resume turn runs: the answer to a prompt the agent could not wait for in place."""
+
+    prompt_id: str
+    kind: Kind
+    subject: str
+    answers: list[Answer]
+    verdict: Literal["approve", "deny"] | None  # approvals only
+
+
+@dataclass
+class Turn:
+    """One turn of an agent session."""
+
+    thread_id: str
+    prompt: str  # the input: queued messages joined by blank lines, or the resume text
+    permissions: Permissions
+    config: dict[str, Any]  # the thread's harness config, as created
+    state: dict[str, Any] | None  # what the harness returned from its last turn
+    handle: PromptHandle
+    emit: Callable[[str], Awaitable[None]]  # post agent output to the thread
+    resume: Resume | None = None
+    work_folder: str = ""
+
+
+@dataclass
+class TurnResult:
+    status: Literal["completed", "parked", "failed"]
+    state: dict[str, Any] | None = None
+    error: str = ""
+    parked: PromptParked | None = field(default=None, repr=False)
+
+
+class Harness(Protocol):
+    """A coding-agent harness. Implementations: `workers.scripted.ScriptedHarness`."""
+
+    name: str
+
+    async def run_turn(self, turn: Turn) -> TurnResult: ...
+
+
+def _detail(tool_input: dict[str, Any]) -> str:
+    for key in ("command", "file_path", "path"):
+        value = tool_input.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return ""
+
+
+def approval_question(tool: str, tool_input: dict[str, Any], agent: str = "the agent") -> Question:
+    """The approval question for one tool call, shaped as the reference's Claude adapter does.
+
+    `subject` is the tool's name and `grant_key` `<tool>:<detail>` (detail: the first non-empty of
+    the input's `command`, `file_path`, `path`), so a grant covers exactly this call.
+    """
+    detail = _detail(tool_input)
+    text = f"Allow {agent} to use `{tool}`?" + (f"\n\n`{detail}`" if detail else "")
+    return Question(
+        question=text,
+        header="permission",
+        options=[
+            {"label": "Approve", "description": f"allow this {tool} call"},  # type: ignore[list-item]
+            {"label": "Deny", "description": "reject this call"},  # type: ignore[list-item]
+        ],
+        multiSelect=False,
+        subject=tool,
+        grant_key=f"{tool}:{detail}" if detail else tool,
+    )
