@@ -18,6 +18,7 @@ from broker.errors import (
 )
 from broker.keys import Keys
 from broker.models import Answer, Item, Kind, Option, Prompt, PromptState, Question, Routed
+from broker.sessions import Grant, Session, Sessions, Waiting
 from broker.settings import Settings
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "BrokerError",
     "BrokerUnavailable",
     "Fenced",
+    "Grant",
     "Item",
     "Keys",
     "Kind",
@@ -40,8 +42,11 @@ __all__ = [
     "PromptUnavailable",
     "Question",
     "Routed",
+    "Session",
+    "Sessions",
     "Settings",
     "StaleAnswer",
+    "Waiting",
     "map_text",
     "render_content",
     "verdict",

@@ -101,6 +101,7 @@ def prompt_from_hash(thread_id: str, prompt_id: str, h: Mapping[str, str]) -> Pr
         reason=h.get("reason"),
         source=h.get("source"),
         answer_item_id=h.get("answer_item"),
+        answer_text=h.get("text"),
         resolved_at=_opt_ms(h.get("resolved")),
         delivered_at=_opt_ms(h.get("delivered")),
         audit_item_id=h.get("audit_item"),

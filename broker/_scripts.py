@@ -19,7 +19,21 @@ from redis.exceptions import NoScriptError, ResponseError
 
 __all__ = ["NAMES", "Script", "Scripts"]
 
-NAMES = ("ask", "route", "cancel", "deliver", "audit", "enqueue")
+NAMES = (
+    "ask",
+    "route",
+    "cancel",
+    "deliver",
+    "audit",
+    "enqueue",
+    "create",
+    "claim",
+    "renew",
+    "release",
+    "update",
+    "resume",
+    "grant",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from broker.errors import (
 )
 from broker.keys import Keys, ThreadKeys, check_prompt_id
 from broker.models import KINDS, Answer, Item, Kind, Prompt, Question, Routed
+from broker.sessions import Sessions
 from broker.settings import Settings
 
 __all__ = ["AUDIT_JOB", "LIMITS", "Broker"]
@@ -94,6 +95,7 @@ class Broker:
         self._owns_client = owns_client
         self._scripts = Scripts()
         self._waiter = Waiter(redis, self._read_wakes, self.settings.sweep_interval)
+        self.sessions = Sessions(self)
         self._closed = False
 
     @classmethod
@@ -159,6 +161,12 @@ class Broker:
         body = _codec.pending_body(prompt_id, checked_kind, qs)
         _check_size(body, "questions")
         questions_json = orjson.dumps([q.wire() for q in qs])
+        subject = qs[0].subject or ""
+        wait = (
+            b""
+            if epoch is None
+            else orjson.dumps({"prompt_id": prompt_id, "kind": checked_kind, "subject": subject})
+        )
         try:
             generation = await self._waiter.subscribe(tk.wake, thread_id)
             pipe = self.redis.pipeline(transaction=False)
@@ -177,6 +185,7 @@ class Broker:
                     _epoch(epoch),
                     tk.base,
                     tk.wake,
+                    wait,
                 ],
             )
             pipe.zadd(self.keys.open, {self.keys.member(thread_id, prompt_id): ULID().milliseconds})
@@ -264,7 +273,7 @@ class Broker:
         for attempt in (1, 2):
             pipe = self.redis.pipeline(transaction=False)
             self._scripts.queue(
-                pipe, "deliver", [tk.prompt(prompt_id), tk.session], [_epoch(epoch)]
+                pipe, "deliver", [tk.prompt(prompt_id), tk.session], [_epoch(epoch), prompt_id]
             )
             pipe.zrem(self.keys.open, member)
             pipe.zadd(self.keys.audit, {member: ULID().milliseconds})
@@ -332,18 +341,25 @@ class Broker:
 
     # -- routing what people post ------------------------------------------------------------
 
-    async def post_item(self, thread_id: str, item: Mapping[str, Any] | BaseModel) -> Routed:
+    async def post_item(
+        self,
+        thread_id: str,
+        item: Mapping[str, Any] | BaseModel,
+        *,
+        epoch: int | None = None,
+    ) -> Routed:
         """Add an item to the thread and route it, atomically: it answers the active prompt, or
         is queued for the next turn, or (naming a prompt that is not active) raises
         `StaleAnswer` with that prompt's real state and writes nothing.
 
-        Items whose author is the broker's identity are only added (`outcome="posted"`).
+        Items whose author is the broker's identity are only added (`outcome="posted"`). With
+        `epoch`, the post is fenced to that lease: a replica that lost the thread posts nothing.
         """
         self._check_open()
         tk = self.thread(thread_id)
         p = _check_item(item, self.identity)
         item_id = _new_id("itm")
-        keys = [tk.items, tk.active, tk.inbox]
+        keys = [tk.items, tk.active, tk.inbox, tk.session]
         args = [
             item_id,
             p.author,
@@ -356,12 +372,15 @@ class Broker:
             p.prepared,
             tk.base,
             tk.wake,
+            _epoch(epoch),
         ]
         try:
             reply = await self._scripts.call(self.redis, "route", keys, args)
         except (RedisConnectionError, RedisTimeoutError, OSError) as e:
             reply = await self._route_outcome_unknown(tk, item_id, keys, args, e)
         status, *rest = reply
+        if status == "fenced":
+            raise Fenced(thread_id, epoch or 0, int(rest[0]) if rest[0] else None)
         if status == "stale":
             state, active = rest
             raise StaleAnswer(thread_id, p.named, state, active or None)

@@ -147,6 +147,7 @@ class Prompt(BaseModel):
     reason: str | None = None
     source: Literal["structured", "text"] | None = None
     answer_item_id: str | None = None
+    answer_text: str | None = None  # the person's words, when the answer was mapped from text
     resolved_at: datetime | None = None
     delivered_at: datetime | None = None
     audit_item_id: str | None = None

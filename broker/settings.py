@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -45,6 +45,27 @@ class Settings(BaseModel):
     )
     audit_grace: float = Field(
         10.0, ge=0, description="seconds before the reconcile job re-enqueues an unposted audit"
+    )
+
+    # -- replicas (workers/) --------------------------------------------------------------
+    lease_ttl: float = Field(
+        5.0, gt=0, description="seconds a replica's lease on a thread lasts unless renewed"
+    )
+    adopt_interval: float = Field(
+        0.5, gt=0, description="seconds between a replica's looks for threads to adopt"
+    )
+    held_waits_max: int = Field(
+        8, ge=1, description="held waits per replica; past it the oldest is parked"
+    )
+    wait_mode: Literal["held", "parked"] = Field(
+        "held", description="held: the agent's call blocks in place; parked: the turn ends"
+    )
+    max_turns: int = Field(16, ge=1, description="turns a replica runs at once")
+    shutdown_grace: float = Field(
+        5.0, ge=0, description="seconds a stopping replica lets its turns settle"
+    )
+    redis_connections: int = Field(
+        3, ge=1, description="a replica's command connections (plus one for pub/sub)"
     )
 
     @classmethod

@@ -5,6 +5,8 @@
 -- ARGV[5] kind           ARGV[6] questions (JSON)          ARGV[7] matchers (JSON)
 -- ARGV[8] lease epoch, or '' when the caller holds none     ARGV[9] the thread's key base
 -- ARGV[10] wake channel
+-- ARGV[11] what the session is now waiting on (JSON {prompt_id, kind, subject}), or '' (with an
+--          epoch: a replica's agent asks, so the session records the prompt its agent awaits)
 --
 -- Returns {'ok', stream id, superseded prompt id or ''} or {'fenced', current epoch}.
 --
@@ -26,5 +28,6 @@ end
 redis.call('HSET', KEYS[3], 'kind', ARGV[5], 'questions', ARGV[6], 'match', ARGV[7],
   'state', 'pending', 'item', ARGV[2], 'sid', sid, 'created', created)
 if ARGV[8] ~= '' then redis.call('HSET', KEYS[3], 'epoch', ARGV[8]) end
+if ARGV[11] ~= '' then redis.call('HSET', KEYS[4], 'wait', ARGV[11]) end
 redis.call('SET', KEYS[2], ARGV[1])
 return {'ok', sid, superseded}

@@ -1,6 +1,6 @@
 -- route: add an inbound item to the thread and decide, atomically, what it is.
 --
--- KEYS[1] items stream   KEYS[2] active   KEYS[3] inbox
+-- KEYS[1] items stream   KEYS[2] active   KEYS[3] inbox   KEYS[4] session hash
 -- ARGV[1] item id   ARGV[2] author   ARGV[3] item type ('' for a message)   ARGV[4] body (JSON)
 -- ARGV[5] 'self' for the broker's own items and agent output (never an answer), else 'user'
 -- ARGV[6] the prompt id the item names in metadata.prompt_id, or ''
@@ -9,6 +9,7 @@
 -- ARGV[9] the prepared text (JSON, broker/answers.py `prepare`), or '' when the item has no
 --         usable content (no non-empty text block and no file block)
 -- ARGV[10] the thread's key base   ARGV[11] wake channel
+-- ARGV[12] lease epoch, or '' when the poster holds none (people, surfaces)
 --
 -- Returns one of
 --   {'posted', item id}                      a 'self' item, on the thread only
@@ -16,6 +17,7 @@
 --   {'answered', item id, prompt id, answers JSON, 'structured'|'text', refusal or ''}
 --   {'stale', state, active prompt id or ''} it named another prompt: nothing written
 --   {'bad', why}                             nothing usable to answer with: nothing written
+--   {'fenced', current epoch}                a replica that lost the thread: nothing written
 --
 -- Text mapping is `map_prepared` of broker/answers.py, ported line for line (a property test
 -- holds them equal); Python did the Unicode work (trim, case-fold, split, numbers) beforehand.
@@ -79,6 +81,9 @@ local function map_prepared(kind, ms, p)
   return out
 end
 
+local current = fenced(KEYS[4], ARGV[12])
+if current then return {'fenced', current} end
+
 if ARGV[5] == 'self' then
   add_item()
   return {'posted', ARGV[1]}
@@ -118,15 +123,18 @@ if ARGV[7] ~= '' then
     refusal = 'metadata.answers: the prompt has ' .. #ms .. ' question(s), the item answers ' .. #given
   end
 end
+local raw = nil  -- the person's words, kept for the resume text of a parked approval
 if not answers then
   if ARGV[9] == '' then return {'bad', refusal ~= '' and refusal or 'the item has no text and no metadata.answers'} end
-  answers, source = map_prepared(kind, ms, cjson.decode(ARGV[9])), 'text'
+  local prepared = cjson.decode(ARGV[9])
+  answers, source, raw = map_prepared(kind, ms, prepared), 'text', prepared.raw
 end
 
 local encoded = json_answers(questions, answers)
 add_item()
 redis.call('HSET', prompt, 'state', 'answered', 'answers', encoded, 'source', source,
   'answer_item', ARGV[1], 'resolved', now_ms())
+if raw then redis.call('HSET', prompt, 'text', raw) end
 redis.call('DEL', KEYS[2])
 redis.call('PUBLISH', ARGV[11], '{"prompt_id":' .. cjson.encode(active)
   .. ',"state":"answered","answers":' .. encoded .. '}')

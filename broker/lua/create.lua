@@ -1,0 +1,11 @@
+-- create: make a thread's agent session record, unowned, so any replica may claim it.
+--
+-- KEYS[1] session hash
+-- ARGV[1] harness   ARGV[2] permissions   ARGV[3] harness config (JSON)   ARGV[4] work folder
+--
+-- Returns {'created', server ms} or {'exists'}.
+if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists'} end
+local now = now_ms()
+redis.call('HSET', KEYS[1], 'harness', ARGV[1], 'permissions', ARGV[2], 'config', ARGV[3],
+  'work_folder', ARGV[4], 'owner', '', 'epoch', 0, 'lease_until', 0, 'status', 'idle', 'created', now)
+return {'created', tostring(now)}

@@ -1,0 +1,275 @@
+"""Agent sessions: which replica drives a thread, under which lease and fencing epoch.
+
+The session record `pp:{T}:session` decides; `pp:leases` (thread -> lease deadline, server ms)
+is the discovery index the adoption sweep reads, written beside the record's script and
+rebuildable from the records. Every claim bumps the epoch, and every script a replica runs for
+the thread carries its epoch, so a replica that lost the thread (paused, partitioned, too slow)
+can no longer ask, deliver or post anything on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict
+from ulid import ULID
+
+from broker._codec import body, ms_datetime
+from broker.errors import BadItem, Fenced
+from broker.keys import check_thread_id
+
+if TYPE_CHECKING:
+    from broker.client import Broker
+
+__all__ = ["Grant", "Permissions", "Session", "Sessions", "Status", "Waiting"]
+
+Permissions = Literal["approval", "autonomous"]
+Status = Literal["idle", "running", "parked", "closed"]
+PERMISSIONS: tuple[Permissions, ...] = ("approval", "autonomous")
+
+
+class Waiting(BaseModel):
+    """The prompt the session's agent is waiting on (held in a live turn, or parked)."""
+
+    model_config = ConfigDict(frozen=True)
+    prompt_id: str
+    kind: str
+    subject: str = ""
+
+
+class Grant(BaseModel):
+    """A one-shot approval: the next call to `subject` covered by `grant_key` is approved."""
+
+    model_config = ConfigDict(frozen=True)
+    subject: str
+    grant_key: str | None = None
+    granted_by: str
+
+
+class Session(BaseModel):
+    """A thread's agent session, as recorded in Redis."""
+
+    model_config = ConfigDict(frozen=True)
+    thread_id: str
+    harness: str
+    permissions: Permissions
+    config: dict[str, Any]
+    work_folder: str
+    owner: str
+    epoch: int
+    lease_until: datetime | None
+    status: Status
+    created_at: datetime
+    state: dict[str, Any] | None = None  # the harness's own, between turns
+    waiting: Waiting | None = None
+    grant: Grant | None = None
+    grant_raw: str | None = None  # the grant exactly as stored: spending compares it
+    error: str | None = None
+
+
+def _session(thread_id: str, h: Mapping[str, str]) -> Session:
+    until = int(h.get("lease_until") or 0)
+    return Session(
+        thread_id=thread_id,
+        harness=h["harness"],
+        permissions=h["permissions"],
+        config=orjson.loads(h["config"]),
+        work_folder=h.get("work_folder", ""),
+        owner=h.get("owner", ""),
+        epoch=int(h.get("epoch") or 0),
+        lease_until=ms_datetime(until) if until else None,
+        status=h["status"],
+        created_at=ms_datetime(h["created"]),
+        state=orjson.loads(h["hstate"]) if h.get("hstate") else None,
+        waiting=Waiting.model_validate_json(h["wait"]) if h.get("wait") else None,
+        grant=Grant.model_validate_json(h["grant"]) if h.get("grant") else None,
+        grant_raw=h.get("grant"),
+        error=h.get("error"),
+    )
+
+
+def _fenced(thread_id: str, epoch: int, reply: list[Any]) -> Fenced:
+    return Fenced(thread_id, epoch, int(reply[1]) if len(reply) > 1 and reply[1] else None)
+
+
+class Sessions:
+    """Session records and leases, through a Broker's connection and scripts."""
+
+    def __init__(self, broker: Broker) -> None:
+        self._b = broker
+
+    async def _call(self, name: str, keys: list[str], args: list[Any]) -> list[Any]:
+        self._b._check_open()
+        return list(await self._b._scripts.call(self._b.redis, name, keys, args))
+
+    async def server_ms(self) -> int:
+        """The Redis server's clock, in ms: leases are measured by it, never by ours."""
+        seconds, micros = await self._b.redis.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    async def create(
+        self,
+        thread_id: str,
+        harness: str,
+        permissions: str = "approval",
+        config: Mapping[str, Any] | None = None,
+        work_folder: str = "",
+    ) -> Session:
+        """Create a thread's session, unowned: the next adoption sweep gives it a replica."""
+        check_thread_id(thread_id)
+        if permissions not in PERMISSIONS:
+            raise BadItem("permissions", f"{permissions!r} is not one of {', '.join(PERMISSIONS)}")
+        if not isinstance(harness, str) or not harness:
+            raise BadItem("harness", "expected a harness name")
+        if config is not None and not isinstance(config, Mapping):
+            raise BadItem("config", f"expected an object, got {type(config).__name__}")
+        tk = self._b.thread(thread_id)
+        pipe = self._b.redis.pipeline(transaction=False)
+        self._b._scripts.queue(
+            pipe,
+            "create",
+            [tk.session],
+            [harness, permissions, orjson.dumps(dict(config or {})), work_folder],
+        )
+        pipe.zadd(self._b.keys.leases, {thread_id: 0}, nx=True)
+        (reply, _) = await self._b._scripts.run_pipeline(self._b.redis, pipe)
+        if reply[0] == "exists":
+            raise BadItem("thread_id", f"thread {thread_id} already exists")
+        session = await self.get(thread_id)
+        assert session is not None
+        return session
+
+    async def get(self, thread_id: str) -> Session | None:
+        h: dict[str, str] = await self._b.redis.hgetall(self._b.thread(thread_id).session)  # type: ignore[misc]
+        return _session(thread_id, h) if h else None
+
+    async def claim(self, thread_id: str, replica: str, ttl_ms: int) -> tuple[int, int] | None:
+        """Claim the thread: `(epoch, lease deadline ms)`, or None if it is not to be had."""
+        reply = await self._call("claim", [self._b.thread(thread_id).session], [replica, ttl_ms])
+        if reply[0] == "claimed":
+            epoch, deadline = int(reply[1]), int(reply[2])
+            await self._b.redis.zadd(self._b.keys.leases, {thread_id: deadline})
+            return epoch, deadline
+        if reply[0] in ("missing", "closed"):
+            await self._b.redis.zrem(self._b.keys.leases, thread_id)
+        elif reply[0] == "held":
+            await self._b.redis.zadd(self._b.keys.leases, {thread_id: int(reply[2])})
+        return None
+
+    async def renew(
+        self, replica: str, held: Mapping[str, int], ttl_ms: int
+    ) -> tuple[dict[str, int], list[str]]:
+        """Renew every lease `replica` holds (`thread -> epoch`), in two round trips.
+
+        Returns the new deadlines and the threads it turned out to have lost.
+        """
+        if not held:
+            return {}, []
+        threads = list(held)
+        pipe = self._b.redis.pipeline(transaction=False)
+        for t in threads:
+            self._b._scripts.queue(
+                pipe, "renew", [self._b.thread(t).session], [replica, held[t], ttl_ms]
+            )
+        replies = await self._b._scripts.run_pipeline(self._b.redis, pipe)
+        renewed = {t: int(r[1]) for t, r in zip(threads, replies, strict=True) if r[0] == "renewed"}
+        lost = [t for t, r in zip(threads, replies, strict=True) if r[0] != "renewed"]
+        if renewed:
+            await self._b.redis.zadd(self._b.keys.leases, renewed, xx=True)
+        return renewed, lost
+
+    async def release(self, thread_id: str, replica: str, epoch: int) -> bool:
+        """Give the thread up now, so another replica adopts it without waiting for the TTL."""
+        reply = await self._call("release", [self._b.thread(thread_id).session], [replica, epoch])
+        if reply[0] != "released":
+            return False
+        await self._b.redis.zadd(self._b.keys.leases, {thread_id: 0}, xx=True)
+        return True
+
+    async def expired(self, limit: int = 200) -> list[str]:
+        """Threads whose lease deadline (server time) has passed, per the index: candidates."""
+        now = await self.server_ms()
+        found: list[str] = await self._b.redis.zrangebyscore(
+            self._b.keys.leases, "-inf", now, start=0, num=limit
+        )
+        return found
+
+    async def update(self, thread_id: str, epoch: int, **fields: str | None) -> None:
+        """Set fields of the session as its lease holder (None or "" removes a field)."""
+        args: list[Any] = [epoch]
+        for name, value in fields.items():
+            args += [name, value or ""]
+        reply = await self._call("update", [self._b.thread(thread_id).session], args)
+        if reply[0] == "fenced":
+            raise _fenced(thread_id, epoch, reply)
+
+    async def resume(
+        self, thread_id: str, prompt_id: str, epoch: int, grant: Grant | None
+    ) -> str | None:
+        """Take a parked prompt's answer into a resume turn (resume.lua), enqueueing its audit.
+
+        Returns the delivery time (ms; the first one, if this resume runs again after a crash),
+        or None when the prompt is not answered.
+        """
+        tk = self._b.thread(thread_id)
+        pipe = self._b.redis.pipeline(transaction=False)
+        self._b._scripts.queue(
+            pipe,
+            "resume",
+            [tk.session, tk.prompt(prompt_id)],
+            [epoch, grant.model_dump_json() if grant else ""],
+        )
+        member = self._b.keys.member(thread_id, prompt_id)
+        pipe.zrem(self._b.keys.open, member)
+        self._b._queue_audit_job(pipe, thread_id, prompt_id)
+        reply, *_ = await self._b._scripts.run_pipeline(self._b.redis, pipe)
+        if reply[0] == "fenced":
+            raise _fenced(thread_id, epoch, reply)
+        if reply[0] != "resumed":
+            return None
+        await self._b.redis.zadd(self._b.keys.audit, {member: int(reply[1])}, nx=True)
+        return str(reply[1])
+
+    async def spend_grant(self, session: Session, epoch: int, question: str) -> str | None:
+        """Spend the session's grant (as read in `session`) and post `approval_granted`.
+
+        Returns the new item's id, or None if the grant was already spent or replaced.
+        """
+        grant = session.grant
+        if grant is None or session.grant_raw is None:
+            return None
+        tk = self._b.thread(session.thread_id)
+        item_id = f"itm_{ULID()}"
+        text = f"✓ auto-approved `{grant.subject}`: an earlier answer approved the next call to it"
+        meta = {
+            "type": "approval_granted",
+            "subject": grant.subject,
+            "granted_by": grant.granted_by,
+            "question": question,
+        }
+        reply = await self._call(
+            "grant",
+            [tk.session, tk.items],
+            [epoch, session.grant_raw, item_id, self._b.identity, body(text, meta)],
+        )
+        if reply[0] == "fenced":
+            raise _fenced(session.thread_id, epoch, reply)
+        return item_id if reply[0] == "spent" else None
+
+    async def close(self, thread_id: str, reason: str = "thread_closed") -> None:
+        """End the thread: cancel its open prompt with `reason`, and let no replica hold it."""
+        await self._b.cancel(thread_id, reason)
+        tk = self._b.thread(thread_id)
+        pipe = self._b.redis.pipeline(transaction=False)
+        pipe.hset(tk.session, mapping={"status": "closed", "owner": "", "lease_until": 0})
+        pipe.hincrby(tk.session, "epoch", 1)
+        pipe.zrem(self._b.keys.leases, thread_id)
+        await pipe.execute()
+
+    async def holders(self) -> dict[str, int]:
+        """Every thread in the lease index with its deadline (ms; 0 means unowned)."""
+        pairs = await self._b.redis.zrange(self._b.keys.leases, 0, -1, withscores=True)
+        return {t: int(score) for t, score in pairs}
