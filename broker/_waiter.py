@@ -231,6 +231,7 @@ class Waiter:
             await self._reread(
                 [(w.thread_id, pid) for pid, w in self._waits.items() if w.channel == channel]
             )
+            self._notify(channel, {"resubscribed": True})
         elif kind == "message":
             try:
                 wake: Wake = orjson.loads(msg["data"])
@@ -238,11 +239,14 @@ class Waiter:
                 logger.warning("waiter.bad_message", extra={"channel": channel})
                 return
             self._resolve(wake)
-            for listener in list(self._listeners.get(channel, ())):
-                try:
-                    listener(channel, wake)
-                except Exception:
-                    logger.exception("waiter.listener_failed", extra={"channel": channel})
+            self._notify(channel, wake)
+
+    def _notify(self, channel: str, wake: Wake) -> None:
+        for listener in list(self._listeners.get(channel, ())):
+            try:
+                listener(channel, wake)
+            except Exception:
+                logger.exception("waiter.listener_failed", extra={"channel": channel})
 
     def _resolve(self, wake: Wake) -> None:
         prompt_id = wake.get("prompt_id", "")

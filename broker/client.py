@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
 
@@ -338,6 +338,16 @@ class Broker:
             elif state is None:
                 wakes[prompt_id] = {"prompt_id": prompt_id, "state": "missing"}
         return wakes
+
+    async def listen(self, thread_id: str, listener: Callable[[str, Wake], None]) -> None:
+        """Call `listener(channel, message)` for every bell on the thread (resolutions, queued
+        items, and `{"resubscribed": true}` after a dropped pub/sub connection came back: a
+        listener that hears that may have missed bells, so it re-reads)."""
+        self._check_open()
+        await self._waiter.listen(thread_id, self.thread(thread_id).wake, listener)
+
+    def unlisten(self, thread_id: str, listener: Callable[[str, Wake], None]) -> None:
+        self._waiter.unlisten(self.thread(thread_id).wake, listener)
 
     # -- routing what people post ------------------------------------------------------------
 

@@ -9,7 +9,7 @@ can no longer ask, deliver or post anything on it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -158,6 +158,32 @@ class Sessions:
         elif reply[0] == "held":
             await self._b.redis.zadd(self._b.keys.leases, {thread_id: int(reply[2])})
         return None
+
+    async def claim_many(self, threads: Sequence[str], replica: str, ttl_ms: int) -> dict[str, int]:
+        """Claim several threads in two round trips: `{thread: epoch}` of those claimed."""
+        if not threads:
+            return {}
+        pipe = self._b.redis.pipeline(transaction=False)
+        for t in threads:
+            self._b._scripts.queue(pipe, "claim", [self._b.thread(t).session], [replica, ttl_ms])
+        replies = await self._b._scripts.run_pipeline(self._b.redis, pipe)
+        claimed: dict[str, int] = {}
+        scores: dict[str, int] = {}
+        gone: list[str] = []
+        for t, reply in zip(threads, replies, strict=True):
+            if reply[0] == "claimed":
+                claimed[t], scores[t] = int(reply[1]), int(reply[2])
+            elif reply[0] == "held":
+                scores[t] = int(reply[2])
+            else:
+                gone.append(t)
+        pipe = self._b.redis.pipeline(transaction=False)
+        if scores:
+            pipe.zadd(self._b.keys.leases, scores)
+        if gone:
+            pipe.zrem(self._b.keys.leases, *gone)
+        await pipe.execute()
+        return claimed
 
     async def renew(
         self, replica: str, held: Mapping[str, int], ttl_ms: int

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from broker import Answer, BrokerError, Kind, Question
+from broker import Answer, BrokerError, Kind, Option, Question
 
 __all__ = [
     "Harness",
@@ -122,8 +122,8 @@ def approval_question(tool: str, tool_input: dict[str, Any], agent: str = "the a
         question=text,
         header="permission",
         options=[
-            {"label": "Approve", "description": f"allow this {tool} call"},  # type: ignore[list-item]
-            {"label": "Deny", "description": "reject this call"},  # type: ignore[list-item]
+            Option(label="Approve", description=f"allow this {tool} call"),
+            Option(label="Deny", description="reject this call"),
         ],
         multiSelect=False,
         subject=tool,

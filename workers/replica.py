@@ -1,0 +1,469 @@
+"""A replica: holds threads by lease, runs their agents' turns, waits held or parked, adopts.
+
+One replica process runs many agent sessions against the shared Redis. Its loops:
+
+- **adopt**: every `adopt_interval`, claim threads whose lease ran out (a replica died, a thread
+  was released by a clean stop, or it is new). A claim bumps the thread's fencing epoch.
+- **heartbeat**: every `lease_ttl / 3`, renew every lease held; a thread found lost (another
+  replica claimed it while this one was paused) is dropped at once, touching nothing.
+- **examine**: whenever a thread's bell rings (an item queued, a prompt resolved, a
+  resubscription after a dropped pub/sub connection) and no turn of it is running here, read its
+  records and do what they say: resume a parked turn whose prompt was answered, adopt a dead
+  replica's open prompt as parked, or start a turn for queued messages. A slow sweep re-examines
+  every thread, for bells that rang while nobody listened.
+
+Waits: an agent's `ask` blocks in place (held) until answered; past `held_waits_max` held waits
+the oldest is demoted to parked: its turn ends, the prompt stays open, and its answer starts a
+resume turn. A clean stop (SIGTERM) demotes every held wait and releases every lease; it never
+cancels a prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from ulid import ULID
+
+from broker import (
+    Answer,
+    Broker,
+    BrokerError,
+    Fenced,
+    Grant,
+    Kind,
+    Prompt,
+    PromptNotFound,
+    Question,
+    Session,
+    Settings,
+    verdict,
+)
+from workers.grants import covers, resume_text
+from workers.harness import Harness, PromptParked, Resume, Turn, TurnResult
+
+logger = logging.getLogger("workers.replica")
+
+__all__ = ["Replica", "default_harnesses"]
+
+OUTPUT = "agent_output"
+
+
+def default_harnesses() -> dict[str, Harness]:
+    from workers.scripted import ScriptedHarness
+
+    return {"scripted": ScriptedHarness()}
+
+
+class _Lost(Exception):
+    """This replica no longer holds the thread: stop, and write nothing more for it."""
+
+
+@dataclass
+class _Thread:
+    """A thread this replica holds."""
+
+    thread_id: str
+    epoch: int
+    task: asyncio.Task[None] | None = None
+    kicked: bool = False
+    listener: Any = None
+
+
+@dataclass
+class _HeldWait:
+    thread_id: str
+    prompt_id: str
+    kind: str
+    subject: str
+    demoted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Replica:
+    """One replica process's worth of agent sessions."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        harnesses: Mapping[str, Harness] | None = None,
+        replica_id: str | None = None,
+    ) -> None:
+        self.broker = broker
+        self.settings: Settings = broker.settings
+        self.harnesses = dict(harnesses) if harnesses is not None else default_harnesses()
+        self.id = replica_id or f"{socket.gethostname()}-{os.getpid()}-{str(ULID())[-6:]}"
+        self.threads: dict[str, _Thread] = {}
+        self._held: OrderedDict[str, _HeldWait] = OrderedDict()  # by thread, oldest first
+        self._slots = asyncio.Semaphore(self.settings.max_turns)
+        self._kicks: set[str] = set()
+        self._kick_event = asyncio.Event()
+        self._stopping = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self.ttl_ms = int(self.settings.lease_ttl * 1000)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run until `stop` is set, then stop cleanly (see `shutdown`)."""
+        logger.info("replica.started", extra={"replica": self.id})
+        self._tasks = [
+            asyncio.create_task(
+                self._loop(self._adopt, self.settings.adopt_interval), name="adopt"
+            ),
+            asyncio.create_task(
+                self._loop(self._heartbeat, self.settings.lease_ttl / 3), name="beat"
+            ),
+            asyncio.create_task(
+                self._loop(self._sweep, self.settings.sweep_interval), name="sweep"
+            ),
+            asyncio.create_task(self._kick_loop(), name="kicks"),
+        ]
+        try:
+            await stop.wait()
+        finally:
+            await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """Park every held wait, let turns settle (bounded), release every lease. Never cancels
+        a prompt: the next replica adopts them as they are."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        for held in list(self._held.values()):
+            held.demoted.set()
+        turns = [t.task for t in self.threads.values() if t.task is not None and not t.task.done()]
+        if turns:
+            _, pending = await asyncio.wait(turns, timeout=self.settings.shutdown_grace)
+            for task in pending:
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait(pending, timeout=1)
+        released = 0
+        for t in list(self.threads.values()):
+            with contextlib.suppress(BrokerError, OSError, ConnectionError):
+                released += await self.broker.sessions.release(t.thread_id, self.id, t.epoch)
+        logger.info("replica.stopped", extra={"replica": self.id, "released": released})
+
+    async def _loop(self, step: Any, interval: float) -> None:
+        while True:
+            try:
+                await step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("replica.loop_failed", extra={"loop": step.__name__})
+            await asyncio.sleep(interval * random.uniform(0.8, 1.2))
+
+    # -- leases ------------------------------------------------------------------------------
+
+    async def _adopt(self) -> None:
+        candidates = [
+            t for t in await self.broker.sessions.expired(limit=500) if t not in self.threads
+        ]
+        random.shuffle(candidates)
+        claimed = await self.broker.sessions.claim_many(candidates, self.id, self.ttl_ms)
+        await asyncio.gather(*(self._attach(t, epoch) for t, epoch in claimed.items()))
+        if claimed:
+            logger.info("replica.adopted", extra={"replica": self.id, "threads": len(claimed)})
+
+    async def _attach(self, thread_id: str, epoch: int) -> None:
+        t = self.threads[thread_id] = _Thread(thread_id, epoch)
+        t.listener = lambda _channel, _wake: self.kick(thread_id)
+        await self.broker.listen(thread_id, t.listener)
+        self.kick(thread_id)
+
+    def _drop(self, thread_id: str) -> None:
+        t = self.threads.pop(thread_id, None)
+        if t is None:
+            return
+        self.broker.unlisten(thread_id, t.listener)
+        held = self._held.get(thread_id)
+        if held is not None:
+            held.demoted.set()
+        if t.task is not None and not t.task.done() and t.task is not asyncio.current_task():
+            t.task.cancel()
+        logger.warning("replica.lost_thread", extra={"replica": self.id, "thread_id": thread_id})
+
+    async def _heartbeat(self) -> None:
+        held = {t.thread_id: t.epoch for t in self.threads.values()}
+        _, lost = await self.broker.sessions.renew(self.id, held, self.ttl_ms)
+        for thread_id in lost:
+            self._drop(thread_id)
+
+    async def _sweep(self) -> None:
+        for thread_id in list(self.threads):
+            self.kick(thread_id)
+
+    # -- examining threads -------------------------------------------------------------------
+
+    def kick(self, thread_id: str) -> None:
+        """Look at the thread soon (its bell rang, or it was just adopted)."""
+        t = self.threads.get(thread_id)
+        if t is None or self._stopping:
+            return
+        if t.task is not None and not t.task.done():
+            t.kicked = True  # the running turn looks again when it ends
+            return
+        self._kicks.add(thread_id)
+        self._kick_event.set()
+
+    async def _kick_loop(self) -> None:
+        while True:
+            await self._kick_event.wait()
+            self._kick_event.clear()
+            kicks, self._kicks = self._kicks, set()
+            for thread_id in kicks:
+                t = self.threads.get(thread_id)
+                if t is not None and (t.task is None or t.task.done()):
+                    t.task = asyncio.create_task(self._examine(t), name=f"thread {thread_id}")
+
+    async def _examine(self, t: _Thread) -> None:
+        try:
+            while not self._stopping:
+                t.kicked = False
+                await self._step(t)
+                if not t.kicked:
+                    return
+        except _Lost:
+            self._drop(t.thread_id)
+        except Fenced:
+            self._drop(t.thread_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("replica.thread_failed", extra={"thread_id": t.thread_id})
+
+    async def _step(self, t: _Thread) -> None:
+        """Do what the thread's records say, once."""
+        session = await self.broker.sessions.get(t.thread_id)
+        if session is None or session.owner != self.id or session.epoch != t.epoch:
+            raise _Lost
+        if session.status == "closed":
+            raise _Lost
+        if session.waiting is not None:
+            try:
+                prompt = await self.broker.get_prompt(t.thread_id, session.waiting.prompt_id)
+            except PromptNotFound:
+                prompt = None
+            if prompt is not None and prompt.state == "pending":
+                if session.status != "parked":  # a dead replica's held wait: adopt as parked
+                    await self._update(t, status="parked")
+                return
+            if prompt is not None and prompt.state == "answered":
+                await self._resume(t, session, prompt)
+                return
+            await self._update(t, status="idle", wait=None)
+        elif session.status in ("running", "parked"):
+            # A turn was running on a replica that died; nothing is being waited on.
+            await self._emit(t, "(the turn was interrupted: the replica running it stopped)")
+            await self._update(t, status="idle")
+        inbox = await self.broker.take_inbox(t.thread_id)
+        if inbox:
+            text = "\n\n".join(i.text for i in inbox if i.text)
+            await self._run_turn(t, session, text, None)
+
+    # -- turns -------------------------------------------------------------------------------
+
+    async def _resume(self, t: _Thread, session: Session, prompt: Prompt) -> None:
+        q = prompt.questions[0]
+        approve = verdict(prompt.answers) == "approve"
+        grant = None
+        if prompt.kind == "approval" and approve and q.subject:
+            grant = Grant(subject=q.subject, grant_key=q.grant_key, granted_by=prompt.prompt_id)
+        if await self.broker.sessions.resume(t.thread_id, prompt.prompt_id, t.epoch, grant) is None:
+            return
+        resume = Resume(
+            prompt_id=prompt.prompt_id,
+            kind=prompt.kind,
+            subject=q.subject or "",
+            answers=prompt.answers or [],
+            verdict=("approve" if approve else "deny") if prompt.kind == "approval" else None,
+        )
+        logger.info("turn.resume", extra={"thread_id": t.thread_id, "prompt_id": prompt.prompt_id})
+        await self._run_turn(t, session, resume_text(prompt, session.work_folder), resume)
+
+    async def _run_turn(
+        self, t: _Thread, session: Session, text: str, resume: Resume | None
+    ) -> None:
+        harness = self.harnesses.get(session.harness)
+        slot = _Slot(self._slots)
+        await slot.acquire()
+        try:
+            if resume is None:
+                await self._update(t, status="running")
+            if harness is None:
+                result = TurnResult("failed", error=f"no harness {session.harness!r} here")
+            else:
+                turn = Turn(
+                    thread_id=t.thread_id,
+                    prompt=text,
+                    permissions=session.permissions,
+                    config=session.config,
+                    state=session.state,
+                    handle=_Handle(self, t, slot),
+                    emit=lambda line: self._emit(t, line),
+                    resume=resume,
+                    work_folder=session.work_folder,
+                )
+                try:
+                    result = await harness.run_turn(turn)
+                except (_Lost, Fenced, asyncio.CancelledError):
+                    raise
+                except Exception as e:
+                    logger.exception("turn.crashed", extra={"thread_id": t.thread_id})
+                    result = TurnResult("failed", error=f"the agent crashed: {e!r}")
+        finally:
+            slot.release()
+        await self._end_turn(t, result)
+
+    async def _end_turn(self, t: _Thread, result: TurnResult) -> None:
+        state = _json(result.state)
+        if result.status == "parked":
+            await self._update(t, status="parked", hstate=state)
+            logger.info("turn.parked", extra={"thread_id": t.thread_id})
+            return
+        if result.status == "failed":
+            await self.broker.cancel(t.thread_id, result.error, epoch=t.epoch)
+            await self._post(t, f"✗ the turn failed: {result.error}", "turn_end", "failed")
+            await self._update(t, status="idle", wait=None, hstate=state, error=result.error)
+            return
+        await self._post(t, "", "turn_end", "completed")
+        await self._update(t, status="idle", wait=None, hstate=state, error=None)
+
+    async def _update(self, t: _Thread, **fields: str | None) -> None:
+        await self.broker.sessions.update(t.thread_id, t.epoch, **fields)
+
+    async def _emit(self, t: _Thread, line: str) -> None:
+        await self._post(t, line, OUTPUT, None)
+
+    async def _post(self, t: _Thread, text: str, type_: str, status: str | None) -> None:
+        meta: dict[str, Any] = {"type": type_}
+        if status is not None:
+            meta["status"] = status
+        content = [{"type": "text", "text": text}] if text else []
+        try:
+            await self.broker.post_item(
+                t.thread_id,
+                {"content": content, "metadata": meta, "author": self.broker.identity},
+                epoch=t.epoch,
+            )
+        except Fenced as e:
+            raise _Lost from e
+
+    # -- held waits --------------------------------------------------------------------------
+
+    def held_count(self) -> int:
+        return len(self._held)
+
+    def _enter_hold(self, held: _HeldWait) -> None:
+        self._held.pop(held.thread_id, None)
+        self._held[held.thread_id] = held
+        while len(self._held) > self.settings.held_waits_max:
+            _, oldest = self._held.popitem(last=False)
+            oldest.demoted.set()
+            logger.info("wait.demoted", extra={"thread_id": oldest.thread_id, "why": "held_cap"})
+
+    def _leave_hold(self, held: _HeldWait) -> None:
+        if self._held.get(held.thread_id) is held:
+            del self._held[held.thread_id]
+
+
+class _Slot:
+    """A turn's claim on one of the replica's turn slots; a held wait gives it back meanwhile."""
+
+    def __init__(self, sem: asyncio.Semaphore) -> None:
+        self._sem = sem
+        self._held = False
+
+    async def acquire(self) -> None:
+        await self._sem.acquire()
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._sem.release()
+
+
+class _Handle:
+    """The prompt handle a turn's agent asks through."""
+
+    def __init__(self, replica: Replica, t: _Thread, slot: _Slot) -> None:
+        self.r = replica
+        self.t = t
+        self.slot = slot
+
+    async def ask(self, kind: Kind, questions: Sequence[Question]) -> list[Answer]:
+        b, t = self.r.broker, self.t
+        qs = [q if isinstance(q, Question) else Question.model_validate(q) for q in questions]
+        subject = (qs[0].subject or "") if qs else ""
+        if kind == "approval" and subject:
+            granted = await self._spend_grant(qs[0])
+            if granted is not None:
+                return granted
+        try:
+            prompt = await b.ask(t.thread_id, kind, qs, epoch=t.epoch)
+        except Fenced as e:
+            raise _Lost from e
+        if self.r.settings.wait_mode == "parked" or self.r._stopping:
+            raise PromptParked(prompt.prompt_id, kind, subject)
+        return await self._hold(prompt, subject)
+
+    async def _spend_grant(self, q: Question) -> list[Answer] | None:
+        b, t = self.r.broker, self.t
+        session = await b.sessions.get(t.thread_id)
+        if session is None or session.grant is None or session.grant.subject != q.subject:
+            return None
+        if not covers(session.grant.grant_key, q.grant_key, session.work_folder):
+            return None
+        try:
+            item = await b.sessions.spend_grant(session, t.epoch, q.question)
+        except Fenced as e:
+            raise _Lost from e
+        if item is None:
+            return None
+        logger.info("grant.spent", extra={"thread_id": t.thread_id, "subject": q.subject})
+        return [Answer(question=q.question, answer=["Approve"])]
+
+    async def _hold(self, prompt: Prompt, subject: str) -> list[Answer]:
+        """Wait in place. The turn's slot is given back meanwhile and taken again only when
+        the answer came: a demoted or cancelled hold must never block on a slot."""
+        held = _HeldWait(self.t.thread_id, prompt.prompt_id, prompt.kind, subject)
+        self.r._enter_hold(held)
+        self.slot.release()
+        wait = asyncio.ensure_future(
+            self.r.broker.wait(self.t.thread_id, prompt.prompt_id, epoch=self.t.epoch)
+        )
+        demoted = asyncio.ensure_future(held.demoted.wait())
+        try:
+            await asyncio.wait({wait, demoted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            demoted.cancel()
+            self.r._leave_hold(held)
+            if not wait.done():
+                wait.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await wait
+        if wait.cancelled():
+            raise PromptParked(prompt.prompt_id, prompt.kind, subject)
+        try:
+            answers = wait.result()
+        except Fenced as e:
+            raise _Lost from e
+        await self.slot.acquire()
+        return answers
+
+
+def _json(value: Any) -> str | None:
+    return orjson.dumps(value).decode() if value is not None else None
