@@ -501,8 +501,8 @@ def _global_args(parser: argparse.ArgumentParser, *, root: bool) -> None:
     )
 
 
-def build_parser() -> Parser:
-    """The whole command line, built from `COMMANDS`."""
+def build_parser(commands: dict[str, Command] | None = None) -> Parser:
+    """The whole command line, built from `commands` (default `COMMANDS`)."""
     common = argparse.ArgumentParser(add_help=False)
     _global_args(common, root=False)
     parser = Parser(
@@ -520,7 +520,7 @@ def build_parser() -> Parser:
         title="commands",
         parser_class=argparse.ArgumentParser,
     )
-    for name, command in COMMANDS.items():
+    for name, command in (COMMANDS if commands is None else commands).items():
         sub = parser.subparsers.add_parser(
             name, help=command.help, description=command.help, parents=[common]
         )
@@ -588,11 +588,15 @@ def _run(command: Command, args: argparse.Namespace) -> int:
         return _report(e, url)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (argparse exits 2 on a usage error)."""
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, commands: dict[str, Command] | None = None) -> int:
+    """Run the command line; returns the exit status (argparse exits 2 on a usage error).
+
+    `commands` replaces `COMMANDS`: the runtime (`workers.cli`) adds its own to the library's.
+    """
+    commands = COMMANDS if commands is None else commands
+    args = build_parser(commands).parse_args(argv)
     with _logging(args.verbose):
-        return _run(COMMANDS[args.command], args)
+        return _run(commands[args.command], args)
 
 
 if __name__ == "__main__":

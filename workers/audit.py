@@ -1,7 +1,8 @@
 """The audit worker: arq jobs that post `pending_prompt_resolved` items, exactly once.
 
-Run it with `arq workers.audit.WorkerSettings`, or with `python -m workers.audit` (the same jobs,
-with arq's crash redelivery cut from `job_timeout + 10 s` to `job_timeout + 1 s`).
+Run it with `prompt-broker audit` (or `python -m workers.audit`), or with arq's own
+`arq workers.audit.WorkerSettings`. Ours cuts arq's crash redelivery from `job_timeout + 10 s`
+to `job_timeout + 1 s`; arq's command keeps its `+ 10 s`.
 
 - `post_resolution(thread_id, prompt_id)` is enqueued by whoever hands answers to the agent
   (`Broker.wait`) or cancels a prompt; its arq job id is the prompt's, and the Lua script behind
@@ -14,8 +15,10 @@ with arq's crash redelivery cut from `job_timeout + 10 s` to `job_timeout + 1 s`
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +32,14 @@ from broker.client import AUDIT_JOB
 
 logger = logging.getLogger("workers.audit")
 
-__all__ = ["AuditWorker", "WorkerSettings", "post_resolution", "rebuild_indexes", "reconcile"]
+__all__ = [
+    "AuditWorker",
+    "WorkerSettings",
+    "post_resolution",
+    "rebuild_indexes",
+    "reconcile",
+    "serve",
+]
 
 FULL_SWEEP_EVERY = 10
 _PROMPT_KEY = re.compile(r"^(?P<prefix>.+):\{(?P<thread>[^}]+)\}:prompt:(?P<prompt>prm_\w+)$")
@@ -176,22 +186,23 @@ class WorkerSettings:
     ctx = _s["ctx"]
 
 
-def run(settings: Settings | None = None, *, burst: bool = False) -> None:
-    """Run the audit worker in this process until SIGINT/SIGTERM (or, in burst mode, idle)."""
-    worker = AuditWorker(**worker_settings(settings), burst=burst)
-    worker.run()
-
-
-async def run_async(settings: Settings | None = None, *, burst: bool = False) -> None:
-    """The audit worker inside a running event loop (tests, the fleet supervisor)."""
-    kwargs = worker_settings(settings) | {"handle_signals": False}
-    worker = AuditWorker(**kwargs, burst=burst)
+async def serve(settings: Settings) -> None:
+    """The audit worker until SIGTERM or SIGINT (`prompt-broker audit`)."""
+    worker = AuditWorker(**worker_settings(settings) | {"handle_signals": False})
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(worker.async_run())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
     try:
-        await worker.async_run()
+        await task
+    except asyncio.CancelledError:
+        pass
     finally:
         await worker.close()
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    run()
+    from workers.logs import configure
+
+    configure()
+    asyncio.run(serve(Settings.from_env()))

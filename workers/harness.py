@@ -69,6 +69,7 @@ class Resume:
     subject: str
     answers: list[Answer]
     verdict: Literal["approve", "deny"] | None  # approvals only
+    text: str = ""  # the person's reply as they typed it (their words for a denial), if typed
 
 
 @dataclass

@@ -289,6 +289,7 @@ class Replica:
             subject=q.subject or "",
             answers=prompt.answers or [],
             verdict=("approve" if approve else "deny") if prompt.kind == "approval" else None,
+            text=prompt.answer_text or "",
         )
         logger.info("turn.resume", extra={"thread_id": t.thread_id, "prompt_id": prompt.prompt_id})
         await self._run_turn(t, session, resume_text(prompt, session.work_folder), resume)

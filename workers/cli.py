@@ -1,0 +1,215 @@
+"""The command line, with the runtime's commands added to the library's (`broker.cli`).
+
+prompt-broker worker [--id NAME]         one replica, until SIGTERM/SIGINT
+prompt-broker audit                      the arq audit worker
+prompt-broker up [--workers N]           a local fleet: N replicas + the audit worker
+prompt-broker demo [--workers N]         a self-driving scenario on a local fleet
+prompt-broker thread new THREAD [...]    create a thread and its agent session
+prompt-broker thread close THREAD        end a thread (its open prompt is cancelled)
+prompt-broker thread status THREAD       who holds it, its lease, what it waits on
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from broker import BadItem, Broker, Settings
+from broker.cli import COMMANDS, CliError, Command
+from broker.cli import main as broker_main
+from workers import audit
+from workers.fleet import Fleet
+from workers.logs import configure
+from workers.replica import default_harnesses
+from workers.run import run_replica
+
+__all__ = ["RUNTIME", "main"]
+
+logger = logging.getLogger("workers.cli")
+
+
+def _level(args: argparse.Namespace) -> int:
+    return logging.DEBUG if args.verbose >= 2 else logging.INFO
+
+
+def _explicit_redis(args: argparse.Namespace) -> bool:
+    return args.redis_url is not None or "PROMPT_BROKER_REDIS_URL" in os.environ
+
+
+# -- worker, audit -------------------------------------------------------------------------
+
+
+def _worker_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--id", default=None, help="this replica's name (default: host-pid-random)")
+
+
+async def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    configure(_level(args))
+    await run_replica(settings, replica_id=args.id)
+    return 0
+
+
+async def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
+    configure(_level(args))
+    await audit.serve(settings)
+    return 0
+
+
+# -- up ---------------------------------------------------------------------------------------
+
+
+def _fleet_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=3, metavar="N", help="replicas (default 3)")
+    parser.add_argument(
+        "--logs", type=Path, default=None, metavar="DIR", help="write each process's log here"
+    )
+
+
+async def _status(fleet: Fleet, settings: Settings) -> str:
+    async with Broker.from_url(fleet.url, settings) as b:
+        holders = await b.sessions.holders()
+        waiting = len(await b.open_prompts())
+    alive = sum(1 for p in fleet.processes if p.proc is not None and p.proc.poll() is None)
+    return f"{alive} processes up, {len(holders)} threads, {waiting} prompts waiting on a person"
+
+
+async def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    configure(_level(args))
+    if args.workers < 1:
+        raise CliError("--workers: at least 1")
+    fleet = Fleet(settings, args.workers, log_dir=args.logs)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await fleet.start(embedded=not _explicit_redis(args))
+    where = fleet.embedded.kind if fleet.embedded else fleet.url
+    print(f"fleet up: {args.workers} replicas and the audit worker on {where}", flush=True)
+    print(f"  try:  PROMPT_BROKER_REDIS_URL={fleet.url} prompt-broker thread new t1", flush=True)
+    print(
+        f"        PROMPT_BROKER_REDIS_URL={fleet.url} prompt-broker answer t1 'hello'", flush=True
+    )
+    print("  Ctrl-C stops the fleet (prompts stay open in Redis)", flush=True)
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), 10)
+        except TimeoutError:
+            print(f"status: {await _status(fleet, settings)}", flush=True)
+    print("stopping: replicas park their waits and release their threads...", flush=True)
+    await fleet.stop()
+    return 0
+
+
+async def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
+    from workers.demo import run_demo
+
+    configure(logging.DEBUG if args.verbose >= 2 else logging.WARNING, json=False)
+    ok = await run_demo(settings, args.workers, embedded=not _explicit_redis(args), logs=args.logs)
+    return 0 if ok else 1
+
+
+# -- thread -----------------------------------------------------------------------------------
+
+
+def _thread_args(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    new = sub.add_parser("new", help="create a thread and its agent session")
+    new.add_argument("thread", metavar="THREAD")
+    new.add_argument("--harness", default="scripted", help="the agent harness (default scripted)")
+    new.add_argument(
+        "--permissions",
+        default="approval",
+        choices=["approval", "autonomous"],
+        help="approval: every gated call asks a person (default); autonomous: none do",
+    )
+    group = new.add_mutually_exclusive_group()
+    group.add_argument("--script", type=Path, metavar="FILE", help="a scripted agent's JSON script")
+    group.add_argument("--config", metavar="JSON", help="the harness config, as JSON")
+    new.add_argument("--work-folder", default="", metavar="DIR", help="the agent's work folder")
+    new.add_argument("--message", metavar="TEXT", help="post this first message at once")
+    close = sub.add_parser("close", help="end a thread: its open prompt is cancelled")
+    close.add_argument("thread", metavar="THREAD")
+    close.add_argument("--reason", default="thread_closed")
+    status = sub.add_parser("status", help="who holds the thread and what it waits on")
+    status.add_argument("thread", metavar="THREAD")
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    if args.script is not None:
+        try:
+            return {"script": orjson.loads(args.script.read_bytes())}
+        except OSError as e:
+            raise CliError(f"--script: cannot read {args.script}: {e.strerror}") from None
+        except orjson.JSONDecodeError as e:
+            raise CliError(f"--script: {args.script} is not valid JSON ({e})") from None
+    if args.config is not None:
+        try:
+            config = orjson.loads(args.config)
+        except orjson.JSONDecodeError as e:
+            raise CliError(f"--config: not valid JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise CliError("--config: expected a JSON object")
+        return config
+    return {}
+
+
+async def cmd_thread(args: argparse.Namespace, settings: Settings) -> int:
+    async with Broker.from_url(settings=settings, socket_connect_timeout=5) as b:
+        if args.action == "new":
+            config = _config(args)
+            harness = default_harnesses().get(args.harness)
+            if harness is None:
+                raise CliError(f"--harness: no harness {args.harness!r} (have: scripted)")
+            validate = getattr(sys.modules[type(harness).__module__], "validate_config", None)
+            if validate is not None:
+                validate(config)
+            session = await b.sessions.create(
+                args.thread, args.harness, args.permissions, config, args.work_folder
+            )
+            print(f"thread {session.thread_id}: {session.harness} agent, {session.permissions}")
+            if args.message:
+                await b.post_item(
+                    args.thread, {"content": [{"type": "text", "text": args.message}]}
+                )
+                print("message posted: a replica will pick it up")
+        elif args.action == "close":
+            await b.sessions.close(args.thread, args.reason)
+            print(f"thread {args.thread} closed")
+        else:
+            session = await b.sessions.get(args.thread)
+            if session is None:
+                raise BadItem("THREAD", f"no thread {args.thread}")
+            print(
+                orjson.dumps(
+                    session.model_dump(mode="json", exclude={"grant_raw"}),
+                    option=orjson.OPT_INDENT_2,
+                ).decode()
+            )
+    return 0
+
+
+RUNTIME: dict[str, Command] = {
+    "worker": Command("run one replica until SIGTERM/SIGINT", _worker_args, cmd_worker, 0),
+    "audit": Command("run the audit worker (arq)", lambda _p: None, cmd_audit, 0),
+    "up": Command("run a local fleet: replicas and the audit worker", _fleet_args, cmd_up, 0),
+    "demo": Command("a self-driving scenario on a local fleet", _fleet_args, cmd_demo),
+    "thread": Command("create, close or inspect a thread", _thread_args, cmd_thread),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `prompt-broker` command: the library's commands and the runtime's."""
+    return broker_main(argv, {**COMMANDS, **RUNTIME})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
