@@ -33,6 +33,7 @@ NAMES = (
     "update",
     "resume",
     "grant",
+    "beat",
 )
 
 

@@ -147,10 +147,15 @@ class Broker:
         questions: Sequence[Question | Mapping[str, Any]],
         *,
         epoch: int | None = None,
+        agent_state: Mapping[str, Any] | None = None,
     ) -> Prompt:
         """Post a `pending_prompt` item and make it the thread's active prompt.
 
         A prompt already active on the thread is cancelled `superseded` in the same step.
+        With `epoch` (a replica's agent asking), the thread's session records, in the same step,
+        that its agent waits on this prompt and `agent_state`, what the agent needs to continue
+        from it if the answer comes back in a later turn.
+
         Raises `BadItem` for bad input (nothing written), `PromptUnavailable` when Redis cannot
         take it (the question was not delivered; nobody refused), `Fenced` for a stale epoch.
         """
@@ -186,6 +191,7 @@ class Broker:
                     tk.base,
                     tk.wake,
                     wait,
+                    b"" if agent_state is None or epoch is None else orjson.dumps(agent_state),
                 ],
             )
             pipe.zadd(self.keys.open, {self.keys.member(thread_id, prompt_id): ULID().milliseconds})

@@ -15,6 +15,7 @@ With the default prefix `pp`:
 - `pp:open` (sorted set): `T/prompt_id` of open prompts by creation time (ms).
 - `pp:audit` (sorted set): `T/prompt_id` of resolutions whose audit item is not yet posted.
 - `pp:leases` (sorted set): thread id -> lease deadline (ms, server time).
+- `pp:replicas` (sorted set): replica id -> its last heartbeat (ms, server time).
 - `pp:audit:queue` (sorted set): the arq queue of audit jobs (arq's `arq:job:*` keys hold them).
 
 `pp:open`, `pp:audit` and `pp:leases` are discovery indexes: the per-thread records decide, and a
@@ -108,6 +109,10 @@ class Keys:
     @property
     def leases(self) -> str:
         return f"{self.prefix}:leases"
+
+    @property
+    def replicas(self) -> str:
+        return f"{self.prefix}:replicas"
 
     @property
     def audit_queue(self) -> str:

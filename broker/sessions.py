@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import orjson
 from pydantic import BaseModel, ConfigDict
@@ -68,6 +68,15 @@ class Session(BaseModel):
     grant: Grant | None = None
     grant_raw: str | None = None  # the grant exactly as stored: spending compares it
     error: str | None = None
+
+
+class Candidates(NamedTuple):
+    """What an adoption sweep sees: server time, expired threads, all threads, live replicas."""
+
+    now: int
+    expired: dict[str, int]  # thread -> lease deadline (ms, server time; its creation if new)
+    threads: int
+    replicas: int
 
 
 def _session(thread_id: str, h: Mapping[str, str]) -> Session:
@@ -134,7 +143,7 @@ class Sessions:
             [tk.session],
             [harness, permissions, orjson.dumps(dict(config or {})), work_folder],
         )
-        pipe.zadd(self._b.keys.leases, {thread_id: 0}, nx=True)
+        pipe.zadd(self._b.keys.leases, {thread_id: ULID().milliseconds}, nx=True)
         (reply, _) = await self._b._scripts.run_pipeline(self._b.redis, pipe)
         if reply[0] == "exists":
             raise BadItem("thread_id", f"thread {thread_id} already exists")
@@ -215,13 +224,24 @@ class Sessions:
         await self._b.redis.zadd(self._b.keys.leases, {thread_id: 0}, xx=True)
         return True
 
-    async def expired(self, limit: int = 200) -> list[str]:
-        """Threads whose lease deadline (server time) has passed, per the index: candidates."""
-        now = await self.server_ms()
-        found: list[str] = await self._b.redis.zrangebyscore(
-            self._b.keys.leases, "-inf", now, start=0, num=limit
+    async def beat(self, replica: str, within_ms: int, *, leaving: bool = False) -> int:
+        """Record that `replica` is alive (or leaving); returns how many replicas are alive."""
+        self._b._check_open()
+        alive = await self._b._scripts.call(
+            self._b.redis, "beat", [self._b.keys.replicas], [replica, within_ms, int(leaving)]
         )
-        return found
+        return int(alive)
+
+    async def expired(self, limit: int = 200, alive_within_ms: int = 5000) -> Candidates:
+        """Threads whose lease deadline (server time) has passed, per the index: candidates for
+        adoption, with what a replica needs to take its fair share of them."""
+        now = await self.server_ms()
+        pipe = self._b.redis.pipeline(transaction=False)
+        pipe.zrangebyscore(self._b.keys.leases, "-inf", now, start=0, num=limit, withscores=True)
+        pipe.zcard(self._b.keys.leases)
+        pipe.zcount(self._b.keys.replicas, now - alive_within_ms, "+inf")
+        found, total, alive = await pipe.execute()
+        return Candidates(now, {t: int(score) for t, score in found}, int(total), int(alive))
 
     async def update(self, thread_id: str, epoch: int, **fields: str | None) -> None:
         """Set fields of the session as its lease holder (None or "" removes a field)."""

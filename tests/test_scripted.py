@@ -49,9 +49,13 @@ class FakeHandle:
     def __init__(self, *replies: Reply) -> None:
         self.replies = list(replies)
         self.asked: list[tuple[Kind, list[Question]]] = []
+        self.states: list[dict[str, Any] | None] = []
 
-    async def ask(self, kind: Kind, questions: Sequence[Question]) -> list[Answer]:
+    async def ask(
+        self, kind: Kind, questions: Sequence[Question], *, state: dict[str, Any] | None = None
+    ) -> list[Answer]:
         self.asked.append((kind, list(questions)))
+        self.states.append(state)
         reply = self.replies.pop(0)
         if isinstance(reply, BaseException):
             raise reply
@@ -632,3 +636,13 @@ async def test_unanswered_questions_plural() -> None:
         'The questions "Target?", "Anything else?" went unanswered: they were cancelled '
         "(no reason given) before anyone answered. Nobody refused them."
     ]
+
+
+async def test_every_ask_carries_the_resume_position() -> None:
+    """Each ask hands over the position a resume continues from, as a parked turn would save."""
+    config = steps({"say": "x"}, DEPLOY, {"ask": [PICK]})
+    r = await run(config, "yes", "A")
+    assert r.handle.states == [{"turn": 0, "step": 1}, {"turn": 0, "step": 2}]
+    crashed = await run(config, parked())
+    assert crashed.result.state is not None
+    assert {k: crashed.result.state[k] for k in ("turn", "step")} == {"turn": 0, "step": 1}

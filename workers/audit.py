@@ -34,7 +34,6 @@ logger = logging.getLogger("workers.audit")
 
 __all__ = [
     "AuditWorker",
-    "WorkerSettings",
     "post_resolution",
     "rebuild_indexes",
     "reconcile",
@@ -93,7 +92,7 @@ async def rebuild_indexes(broker: Broker) -> dict[str, int]:
     async for batch in _prompt_batches(broker):
         pipe = broker.redis.pipeline(transaction=False)
         for key, _, _ in batch:
-            pipe.hmget(key, "state", "delivered", "audit_item", "created")
+            pipe.hmget(key, ["state", "delivered", "audit_item", "created"])
         for (_, thread_id, prompt_id), row in zip(batch, await pipe.execute(), strict=True):
             scanned += 1
             _classify(broker.keys.member(thread_id, prompt_id), row, fix)
@@ -169,21 +168,19 @@ class AuditWorker(Worker):
         self.in_progress_timeout_s = max(t or 0 for t in timeouts) + 1
 
 
-class WorkerSettings:
-    """For `arq workers.audit.WorkerSettings`: the settings come from PROMPT_BROKER_* env."""
+def _worker_settings_class() -> type:
+    s = worker_settings()
+    attrs = {k: v for k, v in s.items() if k not in ("handle_signals",)}
+    attrs["__doc__"] = "For `arq workers.audit.WorkerSettings`: settings from PROMPT_BROKER_* env."
+    return type("WorkerSettings", (), attrs)
 
-    _s = worker_settings()
-    functions = _s["functions"]
-    cron_jobs = _s["cron_jobs"]
-    queue_name = _s["queue_name"]
-    redis_settings = _s["redis_settings"]
-    job_timeout = _s["job_timeout"]
-    keep_result = _s["keep_result"]
-    max_jobs = _s["max_jobs"]
-    poll_delay = _s["poll_delay"]
-    on_startup = startup
-    on_shutdown = shutdown
-    ctx = _s["ctx"]
+
+def __getattr__(name: str) -> Any:
+    # `WorkerSettings` is made on first use, so importing this module never reads the
+    # environment or fails on it; arq's `arq workers.audit.WorkerSettings` gets it here.
+    if name == "WorkerSettings":
+        return _worker_settings_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 async def serve(settings: Settings) -> None:

@@ -92,6 +92,7 @@ async def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await fleet.start(embedded=not _explicit_redis(args))
+    await fleet.ready()
     where = fleet.embedded.kind if fleet.embedded else fleet.url
     print(f"fleet up: {args.workers} replicas and the audit worker on {where}", flush=True)
     print(f"  try:  PROMPT_BROKER_REDIS_URL={fleet.url} prompt-broker thread new t1", flush=True)
@@ -185,12 +186,12 @@ async def cmd_thread(args: argparse.Namespace, settings: Settings) -> int:
             await b.sessions.close(args.thread, args.reason)
             print(f"thread {args.thread} closed")
         else:
-            session = await b.sessions.get(args.thread)
-            if session is None:
+            found = await b.sessions.get(args.thread)
+            if found is None:
                 raise BadItem("THREAD", f"no thread {args.thread}")
             print(
                 orjson.dumps(
-                    session.model_dump(mode="json", exclude={"grant_raw"}),
+                    found.model_dump(mode="json", exclude={"grant_raw"}),
                     option=orjson.OPT_INDENT_2,
                 ).decode()
             )

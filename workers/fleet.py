@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+import redis.asyncio
 
 from broker import Settings
 
@@ -129,6 +130,9 @@ class Process:
     argv: list[str]
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
+    started: float = 0.0
+    backoff: float = 0.0
+    next_start: float = 0.0
     log: Path | None = None
     expected_exit: bool = False
     extra: dict[str, str] = field(default_factory=dict)
@@ -178,6 +182,24 @@ class Fleet:
             self._spawn(p)
         self._watch = asyncio.create_task(self._supervise())
 
+    async def ready(self, within: float = 30.0) -> None:
+        """Wait until every replica has said it is alive (so work spreads over all of them)."""
+        from broker import Keys
+
+        client = redis.asyncio.Redis.from_url(self.url)
+        key = Keys(self.settings.key_prefix).replicas
+        deadline = time.monotonic() + within
+        try:
+            while await client.zcard(key) < self.workers:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"only {await client.zcard(key)} of {self.workers} "
+                        f"replicas came up within {within:.0f} s"
+                    )
+                await asyncio.sleep(0.05)
+        finally:
+            await client.aclose()
+
     def _spawn(self, p: Process) -> None:
         out: Any = subprocess.DEVNULL
         if self.log_dir is not None:
@@ -185,8 +207,9 @@ class Fleet:
             p.log = self.log_dir / f"{p.name}.log"
             out = p.log.open("ab")
         p.proc = subprocess.Popen(p.argv, env=self._env(), stdout=out, stderr=out)
+        p.started = time.monotonic()
         p.expected_exit = False
-        logger.info("fleet.started", extra={"process": p.name, "pid": p.proc.pid})
+        logger.info("fleet.started", extra={"child": p.name, "pid": p.proc.pid})
 
     def replica(self, name: str) -> Process:
         return next(p for p in self.processes if p.name == name)
@@ -197,24 +220,30 @@ class Fleet:
         assert p.proc is not None
         p.expected_exit = not restart
         os.kill(p.proc.pid, sig)
-        logger.info("fleet.signalled", extra={"process": name, "signal": signal.Signals(sig).name})
+        logger.info("fleet.signalled", extra={"child": name, "signal": signal.Signals(sig).name})
         return p.proc.pid
 
     async def _supervise(self) -> None:
+        """Restart what dies unasked; back off (1 s doubling to 30 s) what dies at once."""
         while True:
             await asyncio.sleep(0.2)
+            now = time.monotonic()
             for p in self.processes:
-                if p.proc is None or p.proc.poll() is None:
+                if p.proc is None:
+                    if now >= p.next_start:
+                        p.restarts += 1
+                        self._spawn(p)
                     continue
-                code = p.proc.returncode
-                if p.expected_exit:
+                if p.proc.poll() is None or p.expected_exit:
                     continue
-                logger.warning("fleet.exited", extra={"process": p.name, "code": code})
-                if self.restart:
-                    p.restarts += 1
-                    self._spawn(p)
-                else:
+                logger.warning("fleet.exited", extra={"child": p.name, "code": p.proc.returncode})
+                if not self.restart:
                     p.expected_exit = True
+                    continue
+                quick = now - p.started < 5
+                p.backoff = min(30.0, max(1.0, p.backoff * 2)) if quick else 0.0
+                p.next_start = now + p.backoff
+                p.proc = None
 
     async def stop(self, grace: float = 15.0) -> None:
         """SIGTERM every process (replicas park and release their threads), then stop Redis."""

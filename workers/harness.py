@@ -55,8 +55,19 @@ class PromptParked(BrokerError):
 
 
 class PromptHandle(Protocol):
-    async def ask(self, kind: Kind, questions: Sequence[Question]) -> list[Answer]:
-        """Ask a person; see the module docstring for what it raises."""
+    async def ask(
+        self,
+        kind: Kind,
+        questions: Sequence[Question],
+        *,
+        state: dict[str, Any] | None = None,
+    ) -> list[Answer]:
+        """Ask a person; see the module docstring for what it raises.
+
+        `state` is what the harness needs to continue the session from this question if the
+        answer comes back in a resume turn (possibly on another replica, after this one died):
+        it is stored with the prompt, atomically, and handed back as `Turn.state`.
+        """
         ...
 
 

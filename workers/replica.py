@@ -56,6 +56,8 @@ logger = logging.getLogger("workers.replica")
 __all__ = ["Replica", "default_harnesses"]
 
 OUTPUT = "agent_output"
+#: A thread whose lease ran out this long ago is taken by any replica, however loaded.
+URGENT_MS = 500
 
 
 def default_harnesses() -> dict[str, Harness]:
@@ -153,6 +155,8 @@ class Replica:
         for t in list(self.threads.values()):
             with contextlib.suppress(BrokerError, OSError, ConnectionError):
                 released += await self.broker.sessions.release(t.thread_id, self.id, t.epoch)
+        with contextlib.suppress(BrokerError, OSError, ConnectionError):
+            await self.broker.sessions.beat(self.id, self.ttl_ms, leaving=True)
         logger.info("replica.stopped", extra={"replica": self.id, "released": released})
 
     async def _loop(self, step: Any, interval: float) -> None:
@@ -168,10 +172,17 @@ class Replica:
     # -- leases ------------------------------------------------------------------------------
 
     async def _adopt(self) -> None:
-        candidates = [
-            t for t in await self.broker.sessions.expired(limit=500) if t not in self.threads
-        ]
+        seen = await self.broker.sessions.expired(limit=500, alive_within_ms=self.ttl_ms)
+        candidates = [t for t in seen.expired if t not in self.threads]
+        if not candidates:
+            return
+        # Spread threads over the live replicas: one holding its fair share already takes only
+        # threads nobody else took within URGENT_MS; and nobody takes more than a share a sweep.
+        alive = max(1, seen.replicas)
+        if len(self.threads) >= -(-seen.threads // alive):
+            candidates = [t for t in candidates if seen.now - seen.expired[t] > URGENT_MS]
         random.shuffle(candidates)
+        candidates = candidates[: -(-len(candidates) // alive)]
         claimed = await self.broker.sessions.claim_many(candidates, self.id, self.ttl_ms)
         await asyncio.gather(*(self._attach(t, epoch) for t, epoch in claimed.items()))
         if claimed:
@@ -196,6 +207,7 @@ class Replica:
         logger.warning("replica.lost_thread", extra={"replica": self.id, "thread_id": thread_id})
 
     async def _heartbeat(self) -> None:
+        await self.broker.sessions.beat(self.id, 3 * self.ttl_ms)
         held = {t.thread_id: t.epoch for t in self.threads.values()}
         _, lost = await self.broker.sessions.renew(self.id, held, self.ttl_ms)
         for thread_id in lost:
@@ -405,7 +417,13 @@ class _Handle:
         self.t = t
         self.slot = slot
 
-    async def ask(self, kind: Kind, questions: Sequence[Question]) -> list[Answer]:
+    async def ask(
+        self,
+        kind: Kind,
+        questions: Sequence[Question],
+        *,
+        state: dict[str, Any] | None = None,
+    ) -> list[Answer]:
         b, t = self.r.broker, self.t
         qs = [q if isinstance(q, Question) else Question.model_validate(q) for q in questions]
         subject = (qs[0].subject or "") if qs else ""
@@ -414,7 +432,7 @@ class _Handle:
             if granted is not None:
                 return granted
         try:
-            prompt = await b.ask(t.thread_id, kind, qs, epoch=t.epoch)
+            prompt = await b.ask(t.thread_id, kind, qs, epoch=t.epoch, agent_state=state)
         except Fenced as e:
             raise _Lost from e
         if self.r.settings.wait_mode == "parked" or self.r._stopping:

@@ -413,6 +413,7 @@ class _Run:
     def __init__(self, turn: Turn, script: Script) -> None:
         self.turn = turn
         self.script = script
+        self.at: dict[str, int] = {}  # the step running now: saved with every ask it makes
 
     async def emit(self, text: str) -> None:
         await self.turn.emit(text)
@@ -420,6 +421,7 @@ class _Run:
     async def steps(self, entry: int, start: int) -> TurnResult:
         steps = self.script.turns[entry].steps
         for index in range(start, len(steps)):
+            self.at = {"turn": entry, "step": index}
             try:
                 failure = await self.step(steps[index])
             except PromptParked as parked:
@@ -459,7 +461,7 @@ class _Run:
             return
         question = approval_question(step.tool, step.input)
         try:
-            answers = await self.turn.handle.ask("approval", [question])
+            answers = await self.turn.handle.ask("approval", [question], state=self.at)
         except PromptCancelled as e:
             why = _cancelled("the approval request was", e)
         except PromptUnavailable as e:
@@ -471,7 +473,7 @@ class _Run:
 
     async def ask(self, step: Ask) -> None:
         try:
-            answers = await self.turn.handle.ask("ask_user_question", step.ask)
+            answers = await self.turn.handle.ask("ask_user_question", step.ask, state=self.at)
         except PromptCancelled as e:
             why = _cancelled(_it(step.ask), e)
         except PromptUnavailable as e:
@@ -492,6 +494,7 @@ class _Run:
             )
             return TurnResult(status="completed")
         entry, index = where
+        self.at = {"turn": entry, "step": index}
         step = self.script.step_at(entry, index)
         expected = {"approval": Tool, "ask_user_question": Ask}.get(resume.kind)
         if expected is None or not isinstance(step, expected):

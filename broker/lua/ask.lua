@@ -7,6 +7,7 @@
 -- ARGV[10] wake channel
 -- ARGV[11] what the session is now waiting on (JSON {prompt_id, kind, subject}), or '' (with an
 --          epoch: a replica's agent asks, so the session records the prompt its agent awaits)
+-- ARGV[12] the agent's state to continue from this prompt (JSON), or '' to leave it as it is
 --
 -- Returns {'ok', stream id, superseded prompt id or ''} or {'fenced', current epoch}.
 --
@@ -29,5 +30,6 @@ redis.call('HSET', KEYS[3], 'kind', ARGV[5], 'questions', ARGV[6], 'match', ARGV
   'state', 'pending', 'item', ARGV[2], 'sid', sid, 'created', created)
 if ARGV[8] ~= '' then redis.call('HSET', KEYS[3], 'epoch', ARGV[8]) end
 if ARGV[11] ~= '' then redis.call('HSET', KEYS[4], 'wait', ARGV[11]) end
+if ARGV[12] ~= '' then redis.call('HSET', KEYS[4], 'hstate', ARGV[12]) end
 redis.call('SET', KEYS[2], ARGV[1])
 return {'ok', sid, superseded}
