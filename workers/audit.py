@@ -22,9 +22,11 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
+import arq.worker
 from arq import cron, func
 from arq.connections import RedisSettings
 from arq.worker import Worker
+from redis.exceptions import ResponseError
 from ulid import ULID
 
 from broker import Broker, Keys, Settings
@@ -41,6 +43,19 @@ __all__ = [
 ]
 
 FULL_SWEEP_EVERY = 10
+
+_arq_log_redis_info = arq.worker.log_redis_info
+
+
+async def _log_redis_info(redis: Any, log_func: Any) -> None:
+    """arq logs the server's INFO at start; the embedded fakeredis server has no INFO."""
+    try:
+        await _arq_log_redis_info(redis, log_func)
+    except ResponseError:
+        log_func("redis INFO unavailable (the embedded fakeredis server?)")
+
+
+arq.worker.log_redis_info = _log_redis_info
 _PROMPT_KEY = re.compile(r"^(?P<prefix>.+):\{(?P<thread>[^}]+)\}:prompt:(?P<prompt>prm_\w+)$")
 
 
