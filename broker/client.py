@@ -195,9 +195,8 @@ class Broker:
                 ],
             )
             pipe.zadd(self.keys.open, {self.keys.member(thread_id, prompt_id): ULID().milliseconds})
-            (status, sid_or_epoch, superseded), _ = await self._scripts.run_pipeline(
-                self.redis, pipe
-            )
+            (status, sid_or_epoch, *rest), _ = await self._scripts.run_pipeline(self.redis, pipe)
+            superseded = rest[0] if rest else ""  # a fenced reply carries no third value
         except (RedisError, OSError) as e:
             return await self._ask_outcome_unknown(tk, prompt_id, e)
         if status == "fenced":
@@ -249,8 +248,12 @@ class Broker:
         timeout: float | None = None,  # noqa: ASYNC109 - the documented contract
         *,
         epoch: int | None = None,
+        deliver: bool = True,
     ) -> list[Answer]:
         """Wait for the person's answer and return it; the agent now has it.
+
+        With `deliver=False` the answers come back unmarked: the caller hands them over, then
+        calls `deliver`, so cancelling the wait can never cancel a delivery half-way.
 
         Raises `PromptCancelled` (with the reason) if the prompt was cancelled or superseded,
         `TimeoutError` after `timeout` seconds (the prompt stays open), `PromptNotFound`, and
@@ -266,8 +269,15 @@ class Broker:
         if wake["state"] == "cancelled":
             raise PromptCancelled(prompt_id, wake.get("reason") or "")
         answers = [Answer.model_validate(a) for a in wake["answers"]]
-        await self._deliver(tk, prompt_id, epoch)
+        if deliver:
+            await self._deliver(tk, prompt_id, epoch)
         return answers
+
+    async def deliver(self, thread_id: str, prompt_id: str, *, epoch: int | None = None) -> None:
+        """Record that answers a `wait(..., deliver=False)` returned were handed over, and
+        enqueue their audit item."""
+        self._check_open()
+        await self._deliver(self.thread(thread_id), check_prompt_id(prompt_id), epoch)
 
     async def _deliver(self, tk: ThreadKeys, prompt_id: str, epoch: int | None) -> None:
         """Mark the answer delivered and enqueue its audit job, in one round trip.

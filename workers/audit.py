@@ -44,7 +44,7 @@ __all__ = [
 
 FULL_SWEEP_EVERY = 10
 
-_arq_log_redis_info = arq.worker.log_redis_info
+_arq_log_redis_info = getattr(arq.worker, "log_redis_info")  # noqa: B009 - not re-exported
 
 
 async def _log_redis_info(redis: Any, log_func: Any) -> None:
@@ -55,7 +55,7 @@ async def _log_redis_info(redis: Any, log_func: Any) -> None:
         log_func("redis INFO unavailable (the embedded fakeredis server?)")
 
 
-arq.worker.log_redis_info = _log_redis_info
+setattr(arq.worker, "log_redis_info", _log_redis_info)  # noqa: B010
 _PROMPT_KEY = re.compile(r"^(?P<prefix>.+):\{(?P<thread>[^}]+)\}:prompt:(?P<prompt>prm_\w+)$")
 
 

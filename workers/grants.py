@@ -72,5 +72,5 @@ def resume_text(prompt: Prompt, work_folder: str = "") -> str:
         return text
     lines = ["The person answered:"]
     for a in answers:
-        lines.append(f"- {a.question}: {', '.join(a.answer)}")
+        lines.append(f"- {a.question}: {', '.join(a.answer) or '(no answer)'}")
     return "\n".join(lines)

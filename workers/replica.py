@@ -274,6 +274,7 @@ class Replica:
                 return
             if prompt is not None and prompt.state == "answered":
                 await self._resume(t, session, prompt)
+                t.kicked = True  # look again: messages may have queued meanwhile
                 return
             await self._update(t, status="idle", wait=None)
         elif session.status in ("running", "parked"):
@@ -462,7 +463,9 @@ class _Handle:
         self.r._enter_hold(held)
         self.slot.release()
         wait = asyncio.ensure_future(
-            self.r.broker.wait(self.t.thread_id, prompt.prompt_id, epoch=self.t.epoch)
+            self.r.broker.wait(
+                self.t.thread_id, prompt.prompt_id, epoch=self.t.epoch, deliver=False
+            )
         )
         demoted = asyncio.ensure_future(held.demoted.wait())
         try:
@@ -478,6 +481,8 @@ class _Handle:
             raise PromptParked(prompt.prompt_id, prompt.kind, subject)
         try:
             answers = wait.result()
+            # Out of the hold now: a demotion can no longer cancel the delivery half-way.
+            await self.r.broker.deliver(self.t.thread_id, prompt.prompt_id, epoch=self.t.epoch)
         except Fenced as e:
             raise _Lost from e
         await self.slot.acquire()
