@@ -11,6 +11,7 @@ With the default prefix `pp`:
 - `pp:{T}:active` (string): the id of the thread's one active prompt: the lock.
 - `pp:{T}:inbox` (list): items (JSON) posted while no prompt was active.
 - `pp:{T}:session` (hash): the agent session driving the thread (owner, epoch, ...).
+- `pp:{T}:agent:<name>` (list): a harness's own session data (e.g. Claude Code transcripts).
 - `pp:{T}:wake` (channel): the doorbell: resolutions and queued items, as JSON.
 - `pp:open` (sorted set): `T/prompt_id` of open prompts by creation time (ms).
 - `pp:audit` (sorted set): `T/prompt_id` of resolutions whose audit item is not yet posted.
@@ -83,6 +84,10 @@ class ThreadKeys:
 
     def prompt(self, prompt_id: str) -> str:
         return self.base + "prompt:" + prompt_id
+
+    def agent(self, name: str) -> str:
+        """A harness's own durable data (e.g. a Claude Code transcript), a list of JSON."""
+        return self.base + "agent:" + name
 
 
 @dataclass(frozen=True, slots=True)

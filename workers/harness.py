@@ -25,6 +25,9 @@ from typing import Any, Literal, Protocol
 from broker import Answer, BrokerError, Kind, Option, Question
 
 __all__ = [
+    "AgentStore",
+    "Gate",
+    "GateVerdict",
     "Harness",
     "Permissions",
     "PromptHandle",
@@ -35,7 +38,33 @@ __all__ = [
     "approval_question",
 ]
 
-Permissions = Literal["approval", "autonomous"]
+Permissions = Literal["approval", "autonomous", "guarded"]
+
+
+@dataclass(frozen=True)
+class GateVerdict:
+    """What the guarded policy says of one call: run it, refuse it, or ask a person."""
+
+    action: Literal["allow", "deny", "ask"]
+    rule: str = ""  # the rule that decided ("" for the policy's default)
+    effect: str = ""  # read | write | exec | network | "" (unmapped)
+    detail: str = ""  # the command, else the path, else the tool name
+
+
+#: The guarded policy's gate: `(harness name, tool or method, input) -> verdict`. The replica
+#: builds it from the worker's and the thread's rules; on `deny` it has already posted the
+#: `policy_denied` item, and an evaluator error comes back as `deny` with rule
+#: `policy_evaluation_error` (and no item). Under `approval` and `autonomous` there is no gate.
+Gate = Callable[[str, str, dict[str, Any]], Awaitable[GateVerdict]]
+
+
+class AgentStore(Protocol):
+    """Durable storage for a harness's own session data (e.g. Claude Code transcripts), kept in
+    Redis under the thread's hash tag so any replica can resume the session."""
+
+    async def append(self, key: str, entries: Sequence[Any]) -> None: ...
+
+    async def load(self, key: str) -> list[Any] | None: ...
 
 
 class PromptParked(BrokerError):
@@ -96,6 +125,8 @@ class Turn:
     emit: Callable[[str], Awaitable[None]]  # post agent output to the thread
     resume: Resume | None = None
     work_folder: str = ""
+    gate: Gate | None = None  # set only under `guarded`
+    store: AgentStore | None = None
 
 
 @dataclass

@@ -329,6 +329,7 @@ class Replica:
                     emit=lambda line: self._emit(t, line),
                     resume=resume,
                     work_folder=session.work_folder,
+                    store=_Store(self.broker, t.thread_id),
                 )
                 try:
                     result = await harness.run_turn(turn)
@@ -391,6 +392,22 @@ class Replica:
     def _leave_hold(self, held: _HeldWait) -> None:
         if self._held.get(held.thread_id) is held:
             del self._held[held.thread_id]
+
+
+class _Store:
+    """A harness's durable session data, as JSON lists under the thread's hash tag."""
+
+    def __init__(self, broker: Broker, thread_id: str) -> None:
+        self._redis = broker.redis
+        self._keys = broker.thread(thread_id)
+
+    async def append(self, key: str, entries: Sequence[Any]) -> None:
+        if entries:
+            await self._redis.rpush(self._keys.agent(key), *(orjson.dumps(e) for e in entries))
+
+    async def load(self, key: str) -> list[Any] | None:
+        raw = await self._redis.lrange(self._keys.agent(key), 0, -1)
+        return [orjson.loads(r) for r in raw] if raw else None
 
 
 class _Slot:
