@@ -403,10 +403,11 @@ class _Store:
 
     async def append(self, key: str, entries: Sequence[Any]) -> None:
         if entries:
-            await self._redis.rpush(self._keys.agent(key), *(orjson.dumps(e) for e in entries))
+            key = self._keys.agent(key)
+            await self._redis.rpush(key, *(orjson.dumps(e) for e in entries))  # type: ignore[misc]
 
     async def load(self, key: str) -> list[Any] | None:
-        raw = await self._redis.lrange(self._keys.agent(key), 0, -1)
+        raw: list[str] = await self._redis.lrange(self._keys.agent(key), 0, -1)  # type: ignore[misc]
         return [orjson.loads(r) for r in raw] if raw else None
 
 
