@@ -81,13 +81,16 @@ class Waiter:
         Returns the channel's confirmation count. Every (re)subscription bumps it, so a caller
         that subscribed before something existed and later sees the same count missed nothing.
         """
-        ch = self._channels.get(channel)
-        if ch is None or not ch.requested:
-            ch = self._channels.setdefault(channel, _Channel(thread_id))
-            ch.requested = True
-            await self._send_subscribe([channel])
-        await ch.confirmed.wait()
-        return ch.generation
+        self._hold(channel, thread_id)  # the sweep drops only channels nobody holds
+        try:
+            ch = self._channels[channel]
+            if not ch.requested:
+                ch.requested = True
+                await self._send_subscribe([channel])
+            await ch.confirmed.wait()
+            return ch.generation
+        finally:
+            self._release(channel)
 
     def expect(self, prompt_id: str, channel: str, generation: int) -> None:
         """Note a prompt created while `channel` was confirmed `generation` times.

@@ -431,3 +431,19 @@ async def test_fifty_tasks_ask_and_answer_one_thread(make_broker: BrokerFactory)
     assert sorted(i.id for i in inbox) == sorted(r.item_id for r in queued)
     open_now = await agents[0].open_prompts()
     assert len(open_now) <= 1
+
+
+async def test_sweep_never_drops_a_channel_being_subscribed(make_broker: BrokerFactory) -> None:
+    """Asks racing a fast idle-channel sweep all complete and stay answerable."""
+    broker = await make_broker(sweep_interval=0.01)
+    for _ in range(3):
+        prompts = await asyncio.wait_for(
+            asyncio.gather(*(broker.ask(f"s{i}", "approval", [APPROVAL]) for i in range(200))),
+            20,
+        )
+        assert len(prompts) == 200
+    p = prompts[0]
+    waiting = asyncio.create_task(broker.wait(p.thread_id, p.prompt_id, timeout=5))
+    await asyncio.sleep(0.05)
+    await broker.post_item(p.thread_id, text("yes"))
+    assert (await waiting)[0].answer == ["Approve"]
