@@ -53,7 +53,13 @@ LIMITS = {
 }
 
 _RESERVED_TYPES = frozenset(
-    {"pending_prompt", "pending_prompt_resolved", "approval_granted", "policy_denied"}
+    {
+        "pending_prompt",
+        "pending_prompt_resolved",
+        "approval_granted",
+        "policy_denied",
+        "policy_applied",  # its presence tells an orchestrator the policy was enforced
+    }
 )
 _ITEM_KEYS = frozenset({"content", "metadata", "author"})
 _AUDIT_EXPIRES_MS = 86_400_000

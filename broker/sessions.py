@@ -26,9 +26,11 @@ if TYPE_CHECKING:
 
 __all__ = ["Grant", "Permissions", "Session", "Sessions", "Status", "Waiting"]
 
-Permissions = Literal["approval", "autonomous"]
+Permissions = Literal["approval", "autonomous", "guarded"]
 Status = Literal["idle", "running", "parked", "closed"]
-PERMISSIONS: tuple[Permissions, ...] = ("approval", "autonomous")
+PERMISSIONS: tuple[Permissions, ...] = ("approval", "autonomous", "guarded")
+#: The largest policy block a session takes, as JSON.
+POLICY_BYTES = 64 * 1024
 
 
 class Waiting(BaseModel):
@@ -68,6 +70,7 @@ class Session(BaseModel):
     grant: Grant | None = None
     grant_raw: str | None = None  # the grant exactly as stored: spending compares it
     error: str | None = None
+    policy: dict[str, Any] | None = None  # guarded only: as given (`workers.policy` checks it)
 
 
 class Candidates(NamedTuple):
@@ -97,7 +100,27 @@ def _session(thread_id: str, h: Mapping[str, str]) -> Session:
         grant=Grant.model_validate_json(h["grant"]) if h.get("grant") else None,
         grant_raw=h.get("grant"),
         error=h.get("error"),
+        policy=orjson.loads(h["policy"]) if h.get("policy") else None,
     )
+
+
+def _policy(permissions: str, policy: Mapping[str, Any] | None) -> bytes:
+    """The policy block as stored (b"" for none), refused where it cannot belong."""
+    if permissions != "guarded":
+        if policy is not None:
+            raise BadItem("policy", f"only guarded threads take a policy, not {permissions}")
+        return b""
+    if policy is None:
+        raise BadItem("policy", "POLICY_MISSING: guarded permissions need a policy block")
+    if not isinstance(policy, Mapping):
+        raise BadItem("policy", f"expected an object, got {type(policy).__name__}")
+    try:
+        stored = orjson.dumps(dict(policy))
+    except TypeError as e:
+        raise BadItem("policy", f"not JSON: {e}") from None
+    if len(stored) > POLICY_BYTES:
+        raise BadItem("policy", f"{len(stored)} bytes as JSON, over the limit of {POLICY_BYTES}")
+    return stored
 
 
 def _fenced(thread_id: str, epoch: int, reply: list[Any]) -> Fenced:
@@ -126,11 +149,18 @@ class Sessions:
         permissions: str = "approval",
         config: Mapping[str, Any] | None = None,
         work_folder: str = "",
+        *,
+        policy: Mapping[str, Any] | None = None,
     ) -> Session:
-        """Create a thread's session, unowned: the next adoption sweep gives it a replica."""
+        """Create a thread's session, unowned: the next adoption sweep gives it a replica.
+
+        `guarded` permissions need a `policy` block, and only they take one. Its content is
+        the runtime's to check (`workers.policy.validate`, before this), not the library's.
+        """
         check_thread_id(thread_id)
         if permissions not in PERMISSIONS:
             raise BadItem("permissions", f"{permissions!r} is not one of {', '.join(PERMISSIONS)}")
+        stored_policy = _policy(permissions, policy)
         if not isinstance(harness, str) or not harness:
             raise BadItem("harness", "expected a harness name")
         if config is not None and not isinstance(config, Mapping):
@@ -141,7 +171,7 @@ class Sessions:
             pipe,
             "create",
             [tk.session],
-            [harness, permissions, orjson.dumps(dict(config or {})), work_folder],
+            [harness, permissions, orjson.dumps(dict(config or {})), work_folder, stored_policy],
         )
         pipe.zadd(self._b.keys.leases, {thread_id: ULID().milliseconds}, nx=True)
         (reply, _) = await self._b._scripts.run_pipeline(self._b.redis, pipe)

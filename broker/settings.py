@@ -6,7 +6,8 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from broker.errors import BadItem
 
@@ -67,6 +68,21 @@ class Settings(BaseModel):
     redis_connections: int = Field(
         3, ge=1, description="a replica's command connections (plus one for pub/sub)"
     )
+    policy_rules: list[dict[str, Any]] = Field(
+        [],
+        description="the worker's own guarded-policy rules (a JSON list), tried before a thread's",
+    )
+
+    @field_validator("policy_rules", mode="before")
+    @classmethod
+    def _json_list(cls, value: Any) -> Any:
+        # From the environment it is JSON text; its rules are checked by `workers.policy`.
+        if isinstance(value, str | bytes):
+            try:
+                return orjson.loads(value or "[]")
+            except orjson.JSONDecodeError as e:
+                raise ValueError(f"not valid JSON ({e})") from None
+        return value
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -29,6 +29,7 @@ from broker.cli import main as broker_main
 from workers import audit
 from workers.fleet import Fleet
 from workers.logs import configure
+from workers.policy import validate as validate_policy
 from workers.replica import default_harnesses
 from workers.run import run_replica
 
@@ -129,8 +130,14 @@ def _thread_args(parser: argparse.ArgumentParser) -> None:
     new.add_argument(
         "--permissions",
         default="approval",
-        choices=["approval", "autonomous"],
-        help="approval: every gated call asks a person (default); autonomous: none do",
+        choices=["approval", "autonomous", "guarded"],
+        help="approval: every gated call asks a person (default); autonomous: none do; "
+        "guarded: a policy decides each call (needs --policy)",
+    )
+    new.add_argument(
+        "--policy",
+        metavar="FILE|JSON",
+        help="the guarded policy block: a JSON file, or the JSON itself (see workers/policy.py)",
     )
     group = new.add_mutually_exclusive_group()
     group.add_argument("--script", type=Path, metavar="FILE", help="a scripted agent's JSON script")
@@ -163,10 +170,36 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     return {}
 
 
+def _policy(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The `--policy` block, checked: a malformed one names the offending rule."""
+    if args.policy is None:
+        if args.permissions == "guarded":
+            raise CliError("--policy: POLICY_MISSING: --permissions guarded needs a policy block")
+        return None
+    if args.permissions != "guarded":
+        raise CliError(
+            f"--policy: only --permissions guarded takes a policy, not {args.permissions}"
+        )
+    raw: bytes | str = args.policy
+    if not args.policy.lstrip().startswith("{"):
+        try:
+            raw = Path(args.policy).read_bytes()
+        except OSError as e:
+            raise CliError(f"--policy: cannot read {args.policy}: {e.strerror}") from None
+    try:
+        block = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise CliError(f"--policy: not valid JSON ({e})") from None
+    validate_policy(block)
+    checked: dict[str, Any] = block
+    return checked
+
+
 async def cmd_thread(args: argparse.Namespace, settings: Settings) -> int:
     async with Broker.from_url(settings=settings, socket_connect_timeout=5) as b:
         if args.action == "new":
             config = _config(args)
+            policy = _policy(args)
             harness = default_harnesses().get(args.harness)
             if harness is None:
                 raise CliError(f"--harness: no harness {args.harness!r} (have: scripted)")
@@ -174,7 +207,7 @@ async def cmd_thread(args: argparse.Namespace, settings: Settings) -> int:
             if validate is not None:
                 validate(config)
             session = await b.sessions.create(
-                args.thread, args.harness, args.permissions, config, args.work_folder
+                args.thread, args.harness, args.permissions, config, args.work_folder, policy=policy
             )
             print(f"thread {session.thread_id}: {session.harness} agent, {session.permissions}")
             if args.message:

@@ -36,6 +36,7 @@ from ulid import ULID
 
 from broker import (
     Answer,
+    BadItem,
     Broker,
     BrokerError,
     Fenced,
@@ -48,8 +49,9 @@ from broker import (
     Settings,
     verdict,
 )
+from workers import policy
 from workers.grants import covers, resume_text
-from workers.harness import Harness, PromptParked, Resume, Turn, TurnResult
+from workers.harness import Gate, GateVerdict, Harness, PromptParked, Resume, Turn, TurnResult
 
 logger = logging.getLogger("workers.replica")
 
@@ -111,6 +113,10 @@ class Replica:
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self.ttl_ms = int(self.settings.lease_ttl * 1000)
+        # The worker's own policy rules: a malformed one stops the replica before it starts.
+        self.policy_rules = policy.parse_rules(
+            self.settings.policy_rules, "PROMPT_BROKER_POLICY_RULES", "worker"
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -319,28 +325,78 @@ class Replica:
             if harness is None:
                 result = TurnResult("failed", error=f"no harness {session.harness!r} here")
             else:
-                turn = Turn(
-                    thread_id=t.thread_id,
-                    prompt=text,
-                    permissions=session.permissions,
-                    config=session.config,
-                    state=session.state,
-                    handle=_Handle(self, t, slot),
-                    emit=lambda line: self._emit(t, line),
-                    resume=resume,
-                    work_folder=session.work_folder,
-                    store=_Store(self.broker, t.thread_id),
+                result = await self._call_harness(
+                    t, session, harness, text, resume=resume, slot=slot
                 )
-                try:
-                    result = await harness.run_turn(turn)
-                except (_Lost, Fenced, asyncio.CancelledError):
-                    raise
-                except Exception as e:
-                    logger.exception("turn.crashed", extra={"thread_id": t.thread_id})
-                    result = TurnResult("failed", error=f"the agent crashed: {e!r}")
         finally:
             slot.release()
         await self._end_turn(t, result)
+
+    async def _call_harness(
+        self,
+        t: _Thread,
+        session: Session,
+        harness: Harness,
+        text: str,
+        *,
+        resume: Resume | None,
+        slot: _Slot,
+    ) -> TurnResult:
+        try:
+            gate = await self._gate(t, session) if session.permissions == "guarded" else None
+        except BadItem as e:
+            return TurnResult("failed", error=f"the thread's policy cannot be enforced: {e}")
+        turn = Turn(
+            thread_id=t.thread_id,
+            prompt=text,
+            permissions=session.permissions,
+            config=session.config,
+            state=session.state,
+            handle=_Handle(self, t, slot),
+            emit=lambda line: self._emit(t, line),
+            resume=resume,
+            work_folder=session.work_folder,
+            gate=gate,
+            store=_Store(self.broker, t.thread_id),
+        )
+        try:
+            return await harness.run_turn(turn)
+        except (_Lost, Fenced, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            logger.exception("turn.crashed", extra={"thread_id": t.thread_id})
+            return TurnResult("failed", error=f"the agent crashed: {e!r}")
+
+    async def _gate(self, t: _Thread, session: Session) -> Gate:
+        """A guarded turn's gate, once its `policy_applied` item is posted. `BadItem` when the
+        thread's policy is missing or malformed (a thread created around `workers.policy`)."""
+        if session.policy is None:
+            raise BadItem("policy", "POLICY_MISSING: guarded permissions need a policy block")
+        try:
+            thread_policy = policy.parse_policy(session.policy)
+        except BadItem as e:
+            raise BadItem(e.field, f"POLICY_INVALID: {e.problem}") from None
+        guard = policy.Guard(self.policy_rules, thread_policy, session.work_folder)
+        applied = guard.applied()
+        counts = applied["counts"]
+        summary = f"policy applied: {counts['rules']} rules, default {thread_policy.default}"
+        await self._post(t, summary, "policy_applied", None, applied)
+
+        async def gate(harness: str, tool: str, tool_input: dict[str, Any]) -> GateVerdict:
+            verdict = guard.decide(harness, tool, tool_input)
+            logger.info(
+                "policy.verdict",
+                extra={"thread_id": t.thread_id, "action": verdict.action, "rule": verdict.rule},
+            )
+            if verdict.action == "deny" and verdict.rule != policy.EVALUATION_ERROR:
+                content, meta = policy.denied_item(verdict)
+                try:
+                    await self._post(t, content, "policy_denied", None, meta)
+                except (BrokerError, OSError):  # the call stays refused; only the item is lost
+                    logger.exception("policy.denied_not_posted", extra={"thread_id": t.thread_id})
+            return verdict
+
+        return gate
 
     async def _end_turn(self, t: _Thread, result: TurnResult) -> None:
         state = _json(result.state)
@@ -362,8 +418,15 @@ class Replica:
     async def _emit(self, t: _Thread, line: str) -> None:
         await self._post(t, line, OUTPUT, None)
 
-    async def _post(self, t: _Thread, text: str, type_: str, status: str | None) -> None:
-        meta: dict[str, Any] = {"type": type_}
+    async def _post(
+        self,
+        t: _Thread,
+        text: str,
+        type_: str,
+        status: str | None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        meta: dict[str, Any] = {**(extra or {}), "type": type_}
         if status is not None:
             meta["status"] = status
         content = [{"type": "text", "text": text}] if text else []

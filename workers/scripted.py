@@ -34,7 +34,11 @@ in order, each an object with exactly one of these keys:
 - `{"say": "text"}`: the agent outputs `text`.
 - `{"tool": "Bash", "input": {"command": "make deploy"}, "output": "deployed"}`: a tool call
   (`input` defaults to `{}`, `output` to `""`). Under `autonomous` permissions it just runs: the
-  agent outputs ``Ran Bash `make deploy`:`` and the output. Under `approval` it first asks an
+  agent outputs ``Ran Bash `make deploy`:`` and the output. Under `guarded` it first asks the
+  turn's policy gate (tool names are Claude Code's, see `workers.policy`): `allow` runs it with
+  no prompt, `deny` does not (``Did not run Bash `rm -rf /`: Denied by policy rule 'no-rm'.``;
+  the replica posts the `policy_denied` item), `ask` goes on as under `approval`, which is also
+  what happens when a guarded turn has no gate. Under `approval` it first asks an
   `approval` prompt built by `workers.harness.approval_question` (subject `Bash`, grant key
   `Bash:make deploy`). Approve: it runs. Deny: ``Did not run Bash `make deploy`: the person
   denied it.`` If the prompt is cancelled or cannot be delivered, the call is not run, and the
@@ -84,6 +88,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from broker import LIMITS, Answer, BadItem, PromptCancelled, PromptUnavailable, Question, verdict
 from broker.answers import NEGATIVE
 from workers.harness import PromptParked, Resume, Turn, TurnResult, approval_question
+from workers.policy import refusal
 
 __all__ = [
     "DEFAULT_SCRIPT",
@@ -459,6 +464,14 @@ class _Run:
         if self.turn.permissions == "autonomous":
             await self.emit(_ran(step))
             return
+        if self.turn.permissions == "guarded" and self.turn.gate is not None:
+            gate = await self.turn.gate("scripted", step.tool, dict(step.input))
+            if gate.action == "allow":
+                await self.emit(_ran(step))
+                return
+            if gate.action == "deny":
+                await self.emit(f"Did not run {_call(step)}: {refusal(gate)}.")
+                return
         question = approval_question(step.tool, step.input)
         try:
             answers = await self.turn.handle.ask("approval", [question], state=self.at)
