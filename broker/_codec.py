@@ -87,13 +87,22 @@ def _opt_ms(value: str | None) -> datetime | None:
     return ms_datetime(value) if value else None
 
 
+def _questions(h: Mapping[str, str]) -> list[Question]:
+    """A prompt's questions, from its item's body (`_body`, read beside the hash)."""
+    body = h.get("_body")
+    if not body:
+        return []
+    raw = orjson.loads(body)["metadata"]["prompt"]["questions"]
+    return [Question.model_validate(q) for q in raw]
+
+
 def prompt_from_hash(thread_id: str, prompt_id: str, h: Mapping[str, str]) -> Prompt:
     answers = h.get("answers")
     return Prompt(
         prompt_id=prompt_id,
         thread_id=thread_id,
         kind=h["kind"],
-        questions=[Question.model_validate(q) for q in orjson.loads(h["questions"])],
+        questions=_questions(h),
         state=h["state"],
         item_id=h["item"],
         created_at=ms_datetime(h["created"]),

@@ -34,6 +34,7 @@ NAMES = (
     "resume",
     "grant",
     "beat",
+    "prompt",
 )
 
 

@@ -171,7 +171,6 @@ class Broker:
         prompt_id, item_id = _new_id("prm"), _new_id("itm")
         body = _codec.pending_body(prompt_id, checked_kind, qs)
         _check_size(body, "questions")
-        questions_json = orjson.dumps([q.wire() for q in qs])
         subject = qs[0].subject or ""
         wait = (
             b""
@@ -191,7 +190,6 @@ class Broker:
                     self.identity,
                     body,
                     checked_kind,
-                    questions_json,
                     orjson.dumps(matchers(qs)),
                     _epoch(epoch),
                     tk.base,
@@ -517,11 +515,12 @@ class Broker:
     async def get_prompt(self, thread_id: str, prompt_id: str) -> Prompt:
         """The prompt's record; `PromptNotFound` if there is none."""
         self._check_open()
-        key = self.thread(thread_id).prompt(check_prompt_id(prompt_id))
-        h: dict[str, str] = await self.redis.hgetall(key)  # type: ignore[misc]
-        if not h:
+        tk = self.thread(thread_id)
+        keys = [tk.prompt(check_prompt_id(prompt_id)), tk.items]
+        flat = await self._scripts.call(self.redis, "prompt", keys, [])
+        if not flat:
             raise PromptNotFound(thread_id, prompt_id)
-        return _codec.prompt_from_hash(thread_id, prompt_id, h)
+        return _codec.prompt_from_hash(thread_id, prompt_id, _pairs(flat))
 
     async def active_prompt(self, thread_id: str) -> Prompt | None:
         """The thread's active (pending) prompt, or None."""
@@ -581,9 +580,12 @@ class Broker:
             part = pairs[chunk : chunk + 500]
             pipe = self.redis.pipeline(transaction=False)
             for thread_id, prompt_id in part:
-                pipe.hgetall(self.thread(thread_id).prompt(prompt_id))
-            for (thread_id, prompt_id), h in zip(part, await pipe.execute(), strict=True):
-                if h and h.get("state") == "pending":
+                tk = self.thread(thread_id)
+                self._scripts.queue(pipe, "prompt", [tk.prompt(prompt_id), tk.items], [])
+            rows = await self._scripts.run_pipeline(self.redis, pipe)
+            for (thread_id, prompt_id), flat in zip(part, rows, strict=True):
+                h = _pairs(flat)
+                if h.get("state") == "pending":
                     out.append(_codec.prompt_from_hash(thread_id, prompt_id, h))
             if limit is not None and len(out) >= limit:
                 return out[:limit]
@@ -650,6 +652,10 @@ class Broker:
                 await self.redis.zrem(self.keys.audit, member)
                 unindexed = True
         return None  # the state kept changing under us: the reconcile job comes back
+
+
+def _pairs(flat: list[str]) -> dict[str, str]:
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _epoch(epoch: int | None) -> str:

@@ -4,10 +4,11 @@ All keys of a thread share one hash tag, so each script touches one slot (Redis 
 With the default prefix `pp`:
 
 - `pp:{T}:items` (stream): the thread, in order. Fields `id`, `author`, `type`, `body` (JSON
-  content and metadata); the entry id's time is the item's `created_at`.
-- `pp:{T}:prompt:<prompt_id>` (hash): one prompt. `kind`, `questions`, `match` (what mapping
-  needs), `state`, `item`, `sid`, `created`; once resolved `answers` or `reason`, `source`,
-  `answer_item`, `resolved`; then `delivered` and `audit_item`.
+  content and metadata); the entry id's time is the item's `created_at`. A `pending_prompt`
+  entry also carries `match`: what answer mapping needs (labels, case-folded labels).
+- `pp:{T}:prompt:<prompt_id>` (hash): one prompt. `kind`, `state`, `item`, `sid` (its entry in
+  the stream, where its questions are), `created`; once resolved `answers` or `reason`,
+  `source`, `answer_item`, `text`, `resolved`; then `delivered` and `audit_item`.
 - `pp:{T}:active` (string): the id of the thread's one active prompt: the lock.
 - `pp:{T}:inbox` (list): items (JSON) posted while no prompt was active.
 - `pp:{T}:session` (hash): the agent session driving the thread (owner, epoch, ...).

@@ -97,8 +97,8 @@ if named ~= '' and named ~= active then
 end
 
 local prompt = active and (base .. 'prompt:' .. active)
-local kind, match, state
-if prompt then kind, match, state = unpack(redis.call('HMGET', prompt, 'kind', 'match', 'state')) end
+local kind, sid, state
+if prompt then kind, sid, state = unpack(redis.call('HMGET', prompt, 'kind', 'sid', 'state')) end
 if state ~= 'pending' then
   if ARGV[9] == '' then return {'bad', 'no prompt is active to answer, and the item has no content to queue'} end
   if active then redis.call('DEL', KEYS[2]) end  -- a dangling lock: the record decides
@@ -108,6 +108,13 @@ if state ~= 'pending' then
   return {'queued', ARGV[1]}
 end
 
+-- What mapping needs was stored on the prompt's own stream entry at ask time.
+local match = '[]'
+local entry = redis.call('XRANGE', KEYS[1], sid, sid)[1]
+if entry then
+  local fields = entry[2]
+  for i = 1, #fields, 2 do if fields[i] == 'match' then match = fields[i + 1] end end
+end
 local ms = cjson.decode(match)
 local questions, answers, source, refusal = {}, nil, nil, ARGV[8]
 for i = 1, #ms do questions[i] = ms[i].question end
