@@ -126,6 +126,17 @@ class Waiter:
         self._hold(channel, thread_id)
         await self.subscribe(channel, thread_id)
 
+    async def listen_many(self, listeners: list[tuple[str, str, Listener]]) -> None:
+        """`listen` for many `(thread_id, channel, listener)` at once, in one SUBSCRIBE."""
+        for thread_id, channel, listener in listeners:
+            self._listeners.setdefault(channel, []).append(listener)
+            self._hold(channel, thread_id)
+        new = [c for _, c, _ in listeners if not self._channels[c].requested]
+        if new:
+            await self._send_subscribe(new)
+        for _, channel, _ in listeners:
+            await self._channels[channel].confirmed.wait()
+
     def unlisten(self, channel: str, listener: Listener) -> None:
         listeners = self._listeners.get(channel, [])
         if listener in listeners:

@@ -90,7 +90,11 @@ class Broker:
         settings: Settings | None = None,
         *,
         owns_client: bool = False,
+        pubsub: Redis | None = None,
     ) -> None:
+        """`pubsub`: the client whose pool the waiter takes its one pub/sub connection from
+        (default `redis`, where it counts against that pool's size); closed with the Broker
+        when `owns_client`."""
         kwargs = redis.connection_pool.connection_kwargs
         if not kwargs.get("decode_responses"):
             raise BadItem("redis", "the client must be made with decode_responses=True")
@@ -100,7 +104,8 @@ class Broker:
         self.identity = self.settings.identity
         self._owns_client = owns_client
         self._scripts = Scripts()
-        self._waiter = Waiter(redis, self._read_wakes, self.settings.sweep_interval)
+        self._pubsub_client = pubsub
+        self._waiter = Waiter(pubsub or redis, self._read_wakes, self.settings.sweep_interval)
         self.sessions = Sessions(self)
         self._closed = False
 
@@ -136,6 +141,8 @@ class Broker:
         await self._waiter.aclose()
         if self._owns_client:
             await self.redis.aclose()
+            if self._pubsub_client is not None:
+                await self._pubsub_client.aclose()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -365,6 +372,13 @@ class Broker:
         listener that hears that may have missed bells, so it re-reads)."""
         self._check_open()
         await self._waiter.listen(thread_id, self.thread(thread_id).wake, listener)
+
+    async def listen_many(self, listeners: Mapping[str, Callable[[str, Wake], None]]) -> None:
+        """`listen` on many threads at once (`thread_id -> listener`), in one SUBSCRIBE."""
+        self._check_open()
+        await self._waiter.listen_many(
+            [(t, self.thread(t).wake, listener) for t, listener in listeners.items()]
+        )
 
     def unlisten(self, thread_id: str, listener: Callable[[str, Wake], None]) -> None:
         self._waiter.unlisten(self.thread(thread_id).wake, listener)

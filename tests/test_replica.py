@@ -835,3 +835,15 @@ async def test_adoption_race_each_thread_claimed_once(fleet: Fleet, person: Brok
         fresh = [x for x in fleet.turns_of(t) if x.resume is None]
         assert len(fresh) == 1, f"{t} ran {len(fresh)} fresh turns"
         assert fresh[0].replica == (await session(person, t)).owner
+
+
+async def test_sweep_finds_work_whose_bell_was_missed(fleet: Fleet, person: Broker) -> None:
+    """A message whose bell nobody heard is found by the replica's sweep and runs a turn."""
+    r = await fleet.start("r1")
+    await start_thread(person, "t1", script({"say": "hello"}))
+    await turn_ends(person, "t1")
+    held = r.replica.threads["t1"]
+    r.replica.broker.unlisten("t1", held.listener)  # the bell now rings to nobody
+    await person.post_item("t1", text("again"))
+    items = await turn_ends(person, "t1", n=2)
+    assert outputs(items) == ["hello", "hello"]

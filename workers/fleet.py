@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
 import redis
 import redis.asyncio
 
@@ -163,7 +164,9 @@ class Fleet:
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PROMPT_BROKER_")}
         for name, value in self.settings.model_dump().items():
-            env[f"PROMPT_BROKER_{name.upper()}"] = str(value)
+            # Lists and objects (policy_rules) go as JSON, as Settings.from_env reads them.
+            text = orjson.dumps(value).decode() if isinstance(value, list | dict) else str(value)
+            env[f"PROMPT_BROKER_{name.upper()}"] = text
         env["PROMPT_BROKER_REDIS_URL"] = self.url
         env.update(self.extra_env)
         return env

@@ -60,6 +60,8 @@ __all__ = ["Replica", "default_harnesses"]
 OUTPUT = "agent_output"
 #: A thread whose lease ran out this long ago is taken by any replica, however loaded.
 URGENT_MS = 500
+#: Expired leases one adoption look takes; a full page means more wait: look again at once.
+ADOPT_PAGE = 500
 
 
 def default_harnesses() -> dict[str, Harness]:
@@ -178,10 +180,15 @@ class Replica:
     # -- leases ------------------------------------------------------------------------------
 
     async def _adopt(self) -> None:
-        seen = await self.broker.sessions.expired(limit=500, alive_within_ms=self.ttl_ms)
+        while not self._stopping and await self._adopt_page(ADOPT_PAGE):
+            pass
+
+    async def _adopt_page(self, limit: int) -> bool:
+        """One look at the expired leases; True if it claimed a full page."""
+        seen = await self.broker.sessions.expired(limit=limit, alive_within_ms=self.ttl_ms)
         candidates = [t for t in seen.expired if t not in self.threads]
         if not candidates:
-            return
+            return False
         # Spread threads over the live replicas: one holding its fair share already takes only
         # threads nobody else took within URGENT_MS; and nobody takes more than a share a sweep.
         alive = max(1, seen.replicas)
@@ -190,15 +197,22 @@ class Replica:
         random.shuffle(candidates)
         candidates = candidates[: -(-len(candidates) // alive)]
         claimed = await self.broker.sessions.claim_many(candidates, self.id, self.ttl_ms)
-        await asyncio.gather(*(self._attach(t, epoch) for t, epoch in claimed.items()))
+        await self._attach(claimed)
         if claimed:
             logger.info("replica.adopted", extra={"replica": self.id, "threads": len(claimed)})
+        return len(claimed) >= limit
 
-    async def _attach(self, thread_id: str, epoch: int) -> None:
-        t = self.threads[thread_id] = _Thread(thread_id, epoch)
-        t.listener = lambda _channel, _wake: self.kick(thread_id)
-        await self.broker.listen(thread_id, t.listener)
-        self.kick(thread_id)
+    async def _attach(self, claimed: Mapping[str, int]) -> None:
+        """Hold the claimed threads: listen to all their bells (one SUBSCRIBE), look at each."""
+        for thread_id, epoch in claimed.items():
+            t = self.threads[thread_id] = _Thread(thread_id, epoch)
+            t.listener = self._kicker(thread_id)
+        await self.broker.listen_many({t: self.threads[t].listener for t in claimed})
+        for thread_id in claimed:
+            self.kick(thread_id)
+
+    def _kicker(self, thread_id: str) -> Any:
+        return lambda _channel, _wake: self.kick(thread_id)
 
     def _drop(self, thread_id: str) -> None:
         t = self.threads.pop(thread_id, None)
@@ -220,8 +234,38 @@ class Replica:
             self._drop(thread_id)
 
     async def _sweep(self) -> None:
-        for thread_id in list(self.threads):
-            self.kick(thread_id)
+        """Look at every thread for work a missed bell would have announced: read their records
+        in pipelines and kick only the threads that have something to do."""
+        idle = [t for t in self.threads.values() if t.task is None or t.task.done()]
+        for i in range(0, len(idle), 500):
+            for thread_id in await self._needing_a_look(idle[i : i + 500]):
+                self.kick(thread_id)
+
+    async def _needing_a_look(self, threads: list[_Thread]) -> list[str]:
+        redis = self.broker.redis
+        pipe = redis.pipeline(transaction=False)
+        for t in threads:
+            keys = self.broker.thread(t.thread_id)
+            pipe.hmget(keys.session, ["owner", "epoch", "status", "wait"])
+            pipe.llen(keys.inbox)
+        rows = await pipe.execute()
+        look: list[str] = []
+        waiting: list[tuple[str, str]] = []
+        for t, (owner, epoch, status, wait), queued in zip(
+            threads, rows[::2], rows[1::2], strict=True
+        ):
+            lost = owner != self.id or epoch != str(t.epoch)
+            if lost or queued or status == "running" or (status == "parked" and not wait):
+                look.append(t.thread_id)  # lost, messages waiting, a turn that died: look
+            elif wait:
+                waiting.append((t.thread_id, orjson.loads(wait)["prompt_id"]))
+        if waiting:
+            pipe = redis.pipeline(transaction=False)
+            for thread_id, prompt_id in waiting:
+                pipe.hget(self.broker.thread(thread_id).prompt(prompt_id), "state")
+            states = await pipe.execute()
+            look += [t for (t, _), state in zip(waiting, states, strict=True) if state != "pending"]
+        return look
 
     # -- examining threads -------------------------------------------------------------------
 

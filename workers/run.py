@@ -19,16 +19,28 @@ __all__ = ["replica_broker", "run_replica"]
 
 
 def replica_broker(settings: Settings) -> Broker:
-    """A Broker for a replica: a bounded pool (`redis_connections`) plus one pub/sub connection."""
-    pool = BlockingConnectionPool.from_url(
-        settings.redis_url,
-        max_connections=settings.redis_connections,
-        timeout=None,
-        decode_responses=True,
-        socket_connect_timeout=5,
-        socket_keepalive=True,
+    """A Broker for a replica: a bounded pool (`redis_connections`) plus one pub/sub connection.
+
+    The pub/sub connection has a pool of its own: taken from the command pool, it would leave
+    `redis_connections - 1` for commands (and with 1, none: every command would wait forever).
+    """
+
+    def pool(size: int) -> BlockingConnectionPool:
+        return BlockingConnectionPool.from_url(
+            settings.redis_url,
+            max_connections=size,
+            timeout=None,
+            decode_responses=True,
+            socket_connect_timeout=5,
+            socket_keepalive=True,
+        )
+
+    return Broker(
+        Redis(connection_pool=pool(settings.redis_connections)),
+        settings,
+        owns_client=True,
+        pubsub=Redis(connection_pool=pool(1)),
     )
-    return Broker(Redis(connection_pool=pool), settings, owns_client=True)
 
 
 async def run_replica(
