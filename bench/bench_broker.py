@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import contextvars
 import math
+import multiprocessing
 import platform
 import shutil
 import socket
@@ -31,6 +32,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection as PipeEnd
 from typing import Any, TypeVar
 
 import orjson
@@ -41,6 +43,7 @@ from redis.utils import HIREDIS_AVAILABLE
 
 from broker import Broker, Keys, Question, Settings
 from broker._codec import pending_body
+from broker.keys import ThreadKeys
 
 T = TypeVar("T")
 
@@ -59,6 +62,11 @@ QUESTION = Question.model_validate(
 )
 #: The person's reply, as a surface posts it.
 ANSWER = {"content": [{"type": "text", "text": "yes"}]}
+#: Agent output already on a thread before it asks (posted as the broker: never an answer).
+AGENT_OUTPUT = {
+    "author": Settings().identity,
+    "content": [{"type": "text", "text": "The build directory is stale; cleaning it first."}],
+}
 
 WAKE_TARGET_RATIO = 2.0
 ROUND_TRIP_TARGET = 4
@@ -75,11 +83,16 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def private_redis(exe: str, port: int) -> Iterator[str]:
-    """Start our own redis-server (no RDB, no AOF), yield its URL, stop it by its pid."""
+def private_redis(exe: str, port: int, config: list[str]) -> Iterator[str]:
+    """Start our own redis-server (no RDB, no AOF), yield its URL, stop it by its pid.
+
+    `config` holds extra "name value" directives, for what-if runs."""
     with tempfile.TemporaryDirectory(prefix="bench-broker-") as tmp:
-        args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", tmp, "--save", "",
-                "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"]
+        args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", tmp, "--save", ""]
+        args += ["--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"]
+        for directive in config:
+            name, _, value = directive.strip().partition(" ")
+            args += [f"--{name}", *value.split()]
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             _wait_ready(port, proc)
@@ -99,8 +112,9 @@ def _wait_ready(port: int, proc: subprocess.Popen[bytes]) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"redis-server on port {port} exited with {proc.returncode}")
         try:
-            if redis.Redis(port=port, socket_timeout=0.5).ping():
-                return
+            with redis.Redis(port=port, socket_timeout=0.5) as probe:
+                probe.ping()
+            return
         except redis.ConnectionError:
             time.sleep(0.05)
     raise RuntimeError(f"redis-server on port {port} did not start")
@@ -110,8 +124,25 @@ def _client(url: str) -> Redis:
     return Redis.from_url(url, decode_responses=True)
 
 
-def _broker(url: str, prefix: str) -> Broker:
-    return Broker(_client(url), Settings(key_prefix=prefix), owns_client=True)
+def _broker(url: str, prefix: str, **settings: Any) -> Broker:
+    return Broker(_client(url), Settings(key_prefix=prefix, **settings), owns_client=True)
+
+
+#: No step of a lifecycle should take this long; past it the run stops with an error, not a hang.
+STEP_TIMEOUT = 10.0
+HANG = (
+    "{what} did not finish in {seconds:.0f} s. A known cause: broker/_waiter.py drops a channel "
+    "whose SUBSCRIBE is still in flight when its sweep runs, and that ask never returns."
+)
+
+
+async def bounded(aw: Awaitable[T], what: str, seconds: float = STEP_TIMEOUT) -> T:
+    """`aw`, or a RuntimeError naming `what` after `seconds`."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await aw
+    except TimeoutError:
+        raise RuntimeError(HANG.format(what=what, seconds=seconds)) from None
 
 
 # -- small helpers -------------------------------------------------------------------------------
@@ -131,32 +162,83 @@ def verdict(met: bool) -> str:
     return "MET" if met else "NOT MET"
 
 
-def _wake_message(answer_label: str) -> bytes:
+def _wake_message() -> bytes:
     """The bell route.lua rings for an answered approval (same shape, same size)."""
     return orjson.dumps(
-        {"prompt_id": "prm_" + "0" * 26, "state": "answered",
-         "answers": [{"question": QUESTION.question, "answer": [answer_label]}]}
+        {
+            "prompt_id": "prm_" + "0" * 26,
+            "state": "answered",
+            "answers": [{"question": QUESTION.question, "answer": ["Approve"]}],
+        }
     )
+
+
+# -- one lifecycle -------------------------------------------------------------------------------
+
+#: Posts an answer on a thread (or publishes the floor's message); returns (t0, t1): perf_counter
+#: just before the call and just after it returned. CLOCK_MONOTONIC, so comparable across
+#: processes on one machine.
+Post = Callable[[str], Awaitable[tuple[float, float]]]
+Publish = Callable[[str, bytes], Awaitable[tuple[float, float]]]
+
+#: The lifecycle step running now, for the round-trip counter (tasks inherit it).
+_STEP: contextvars.ContextVar[str] = contextvars.ContextVar("bench_step", default="other")
+
+
+async def in_step(step: str, aw: Awaitable[T]) -> T:
+    token = _STEP.set(step)
+    try:
+        return await aw
+    finally:
+        _STEP.reset(token)
+
+
+@dataclass
+class Lifecycle:
+    prompt_id: str
+    posting: float  # perf_counter just before post_item was called
+    posted: float  # post_item returned
+    returned: float  # wait() returned
+
+
+async def lifecycle(asker: Broker, thread: str, post: Post, settle: float) -> Lifecycle:
+    """ask; start wait() and let it settle (subscribed and registered); post the answer; wait()
+    returns the answer."""
+    prompt = await in_step("ask", bounded(asker.ask(thread, "approval", [QUESTION]), "an ask"))
+    waiting = asyncio.create_task(in_step("wait", _timed_wait(asker, thread, prompt.prompt_id)))
+    await asyncio.sleep(settle)
+    try:
+        if prompt.prompt_id not in asker._waiter._waits:
+            raise RuntimeError("wait() had not started before the post: raise --settle-ms")
+        t0, t1 = await in_step("post_item", post(thread))
+    except BaseException:
+        waiting.cancel()
+        raise
+    return Lifecycle(prompt.prompt_id, t0, t1, await waiting)
+
+
+async def _timed_wait(asker: Broker, thread: str, prompt_id: str) -> float:
+    await asker.wait(thread, prompt_id, timeout=STEP_TIMEOUT)
+    return time.perf_counter()
 
 
 # -- 1. wake latency -----------------------------------------------------------------------------
 
 
 @dataclass
-class WakeSamples:
-    floor: list[float] = field(default_factory=list)  # PUBLISH -> the subscriber has it
-    ping: list[float] = field(default_factory=list)  # one plain round trip, for context
+class Samples:
+    floor: list[float] = field(default_factory=list)  # PUBLISH called -> the subscriber has it
     wake: list[float] = field(default_factory=list)  # post_item called -> wait() returned
     posted: list[float] = field(default_factory=list)  # post_item called -> post_item returned
     heard: list[float] = field(default_factory=list)  # post_item called -> the waiter heard it
 
 
 class Floor:
-    """redis-py's own pub/sub, read the way the broker's waiter reads: a reader task calling
-    get_message with a timeout, handing each message (JSON-decoded) to a future."""
+    """redis-py's own pub/sub, read the way the broker's waiter reads: one reader task calling
+    get_message with a timeout, JSON-decoding each message and handing it to a future."""
 
     def __init__(self, url: str, channel: str) -> None:
-        self.sub, self.pub, self.channel = _client(url), _client(url), channel
+        self.sub, self.channel = _client(url), channel
         self.pubsub = self.sub.pubsub()
         self.future: asyncio.Future[float] | None = None
         self.task: asyncio.Task[None] | None = None
@@ -174,10 +256,9 @@ class Floor:
                 orjson.loads(msg["data"])
                 self.future.set_result(time.perf_counter())
 
-    async def sample(self, payload: bytes) -> float:
+    async def sample(self, payload: bytes, publish: Publish) -> float:
         self.future = asyncio.get_running_loop().create_future()
-        t0 = time.perf_counter()
-        await self.pub.publish(self.channel, payload)
+        t0, _ = await publish(self.channel, payload)
         return await self.future - t0
 
     async def aclose(self) -> None:
@@ -187,18 +268,16 @@ class Floor:
                 await self.task
         await self.pubsub.aclose()
         await self.sub.aclose()
-        await self.pub.aclose()
 
 
-class WakeBench:
-    """Sequential lifecycles: ask, start wait(), settle, then time post_item -> wait() returns."""
+class Asker:
+    """The asking Broker: ask, start wait(), let it settle, have someone post the answer."""
 
     def __init__(self, url: str, prefix: str, settle: float) -> None:
-        self.asker, self.surface = _broker(url, prefix), _broker(url, prefix)
-        self.settle = settle
+        self.broker, self.settle = _broker(url, prefix), settle
         self.heard: dict[str, float] = {}
-        # Note when the asker's waiter hears each bell (an instance patch, for the breakdown).
-        waiter = self.asker._waiter
+        # Note when the waiter hears each bell (an instance patch, only for the breakdown).
+        waiter = self.broker._waiter
         resolve = waiter._resolve
 
         def noting_resolve(wake: dict[str, Any]) -> None:
@@ -207,89 +286,180 @@ class WakeBench:
 
         waiter._resolve = noting_resolve  # type: ignore[method-assign]
 
-    async def _timed_wait(self, thread: str, prompt_id: str) -> float:
-        await self.asker.wait(thread, prompt_id, timeout=10)
-        return time.perf_counter()
-
-    async def sample(self, thread: str, out: WakeSamples | None) -> None:
-        prompt = await self.asker.ask(thread, "approval", [QUESTION])
-        waiting = asyncio.create_task(self._timed_wait(thread, prompt.prompt_id))
-        await asyncio.sleep(self.settle)
-        if prompt.prompt_id not in self.asker._waiter._waits:
-            raise RuntimeError("wait() had not started before the post: raise --settle-ms")
-        t0 = time.perf_counter()
-        routed = await self.surface.post_item(thread, ANSWER)
-        t1 = time.perf_counter()
-        t2 = await waiting
-        if routed.outcome != "answered":
-            raise RuntimeError(f"the answer was {routed.outcome}, not answered")
+    async def sample(self, thread: str, post: Post, out: Samples | None) -> None:
+        run = await lifecycle(self.broker, thread, post, self.settle)
+        heard = self.heard.pop(run.prompt_id)
         if out is not None:
-            out.posted.append(t1 - t0)
-            out.heard.append(self.heard.pop(prompt.prompt_id) - t0)
-            out.wake.append(t2 - t0)
+            out.posted.append(run.posted - run.posting)
+            out.heard.append(heard - run.posting)
+            out.wake.append(run.returned - run.posting)
+
+
+class LocalSurface:
+    """The surface Broker and a plain publisher on this process's event loop."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.broker, self.pub = _broker(url, prefix), _client(url)
+
+    async def post(self, thread: str) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        routed = await self.broker.post_item(thread, ANSWER)
+        t1 = time.perf_counter()
+        _check_answered(routed.outcome)
+        return t0, t1
+
+    async def publish(self, channel: str, payload: bytes) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        await self.pub.publish(channel, payload)
+        return t0, time.perf_counter()
 
     async def aclose(self) -> None:
-        await self.asker.aclose()
-        await self.surface.aclose()
+        await self.broker.aclose()
+        await self.pub.aclose()
+
+
+def _check_answered(outcome: str) -> None:
+    if outcome != "answered":
+        raise RuntimeError(f"the answer was {outcome}, not answered")
+
+
+def _surface_process(conn: PipeEnd, url: str, prefix: str) -> None:
+    """A surface in its own process: posts and publishes on request, replies with (t0, t1)."""
+    asyncio.run(_serve_surface(conn, url, prefix))
+
+
+async def _serve_surface(conn: PipeEnd, url: str, prefix: str) -> None:
+    surface = LocalSurface(url, prefix)
+    try:
+        while True:
+            # Blocking is fine: this process does nothing else while it waits for a request.
+            request = conn.recv()
+            if request[0] == "post":
+                conn.send(await surface.post(request[1]))
+            elif request[0] == "publish":
+                conn.send(await surface.publish(request[1], request[2]))
+            else:
+                break
+    finally:
+        await surface.aclose()
+
+
+class RemoteSurface:
+    """Drives `_surface_process` over a pipe, its replies read through this event loop."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_surface_process, args=(child, url, prefix), daemon=True)
+        self.proc.start()
+        child.close()
+
+    async def _request(self, *request: Any) -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[tuple[float, float]] = loop.create_future()
+        fd = self.conn.fileno()
+
+        def on_readable() -> None:
+            answer = self.conn.recv()
+            if not reply.done():
+                reply.set_result(answer)
+
+        loop.add_reader(fd, on_readable)
+        try:
+            self.conn.send(request)
+            return await reply
+        finally:
+            loop.remove_reader(fd)
+
+    async def post(self, thread: str) -> tuple[float, float]:
+        return await self._request("post", thread)
+
+    async def publish(self, channel: str, payload: bytes) -> tuple[float, float]:
+        return await self._request("publish", channel, payload)
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send(("stop",))
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+        self.conn.close()
 
 
 async def bench_wake(url: str, n: int, settle: float) -> None:
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
-    payload = _wake_message("Approve")
-    bench, floor, ping = WakeBench(url, prefix, settle), Floor(url, f"{prefix}:floor"), _client(url)
+    payload = _wake_message()
+    asker, floor = Asker(url, prefix, settle), Floor(url, f"{prefix}:floor")
+    local, remote, ping = LocalSurface(url, prefix), RemoteSurface(url, prefix), _client(url)
     await floor.start()
-    samples = WakeSamples()
+    same, apart, pings = Samples(), Samples(), []
     try:
         warmup = max(20, n // 20)
         for i in range(-warmup, n):
-            # Interleaved, so drift on the machine hits the figure and its floor alike.
-            keep = samples if i >= 0 else None
-            await bench.sample(f"wake-{i + warmup:06d}", keep)
-            floor_s = await floor.sample(payload)
+            # Interleaved, so drift on the machine hits every figure and its floor alike.
+            keep = i >= 0
+            for tag, surface, out in (("a", local, same), ("b", remote, apart)):
+                thread = f"wake-{tag}-{i + warmup:06d}"
+                await asker.sample(thread, surface.post, out if keep else None)
+                floor_s = await floor.sample(payload, surface.publish)
+                if keep:
+                    out.floor.append(floor_s)
             t0 = time.perf_counter()
             await ping.ping()
-            ping_s = time.perf_counter() - t0
-            if keep is not None:
-                keep.floor.append(floor_s)
-                keep.ping.append(ping_s)
+            if keep:
+                pings.append(time.perf_counter() - t0)
     finally:
-        await bench.aclose()
-        await floor.aclose()
-        await ping.aclose()
-    print_wake(samples, n, len(payload))
+        await asker.broker.aclose()
+        for closing in (floor, local, remote, ping):
+            await closing.aclose()
+    print(
+        f"\n1. Wake latency: post_item (surface) -> wait() returns (asker)   N={n} sequential "
+        "lifecycles each way, one fresh thread each"
+    )
+    print(
+        f"   one PING round trip on the same server, for scale: p50 {us(pct(pings, 50))}, "
+        f"p99 {us(pct(pings, 99))}"
+    )
+    print_wake(
+        "a) surface and asker on one event loop (two Brokers, one process):", same, len(payload)
+    )
+    print_wake(
+        "b) surface in its own process (as deployed; floor publisher there too):",
+        apart,
+        len(payload),
+    )
 
 
-def print_wake(s: WakeSamples, n: int, size: int) -> None:
-    print(f"\n1. Wake latency: post_item (surface) -> wait() returns (asker)   N={n} sequential "
-          "lifecycles, one fresh thread each")
-    print(f"   {'':44} {'p50':>11} {'p99':>11}")
+def print_wake(title: str, s: Samples, size: int) -> None:
+    print(f"   {title}")
+    print(f"     {'':46} {'p50':>11} {'p99':>11}")
     rows = [
-        (f"floor: redis-py PUBLISH -> receive ({size} B)", s.floor),
+        (f"floor: redis-py PUBLISH -> received ({size} B)", s.floor),
         ("wake:  post_item called -> wait() returned", s.wake),
     ]
     for label, xs in rows:
-        print(f"   {label:44} {us(pct(xs, 50))}  {us(pct(xs, 99))}")
+        print(f"     {label:46} {us(pct(xs, 50))}  {us(pct(xs, 99))}")
     r50 = pct(s.wake, 50) / pct(s.floor, 50)
     r99 = pct(s.wake, 99) / pct(s.floor, 99)
-    print(f"   {'ratio wake / floor':44} {r50:10.2f}x  {r99:10.2f}x   "
-          f"target p50 <= {WAKE_TARGET_RATIO:.0f}x floor: {verdict(r50 <= WAKE_TARGET_RATIO)}")
-    print("   where the wake's time goes (from post_item called):")
-    for label, xs in [
-        ("  one PING round trip (context)", s.ping),
-        ("  post_item returned (route.lua, 1 RT)", s.posted),
-        ("  the waiter heard the bell", s.heard),
-        ("  wait() returned (after deliver pipeline)", s.wake),
-    ]:
-        print(f"   {label:44} {us(pct(xs, 50))}  {us(pct(xs, 99))}")
+    print(
+        f"     {'ratio wake / floor':46} {r50:10.2f}x  {r99:10.2f}x   "
+        f"target p50 <= {WAKE_TARGET_RATIO:.0f}x: {verdict(r50 <= WAKE_TARGET_RATIO)}"
+    )
     deliver = [w - h for w, h in zip(s.wake, s.heard, strict=True)]
-    print(f"   {'  heard -> returned (deliver mark + enqueue)':44} {us(pct(deliver, 50))}  "
-          f"{us(pct(deliver, 99))}")
+    for label, xs in [
+        ("  post_item returned (route.lua, 1 RT)", s.posted),
+        ("  the asker's waiter heard the bell", s.heard),
+        ("  heard -> wait() returned (deliver pipeline)", deliver),
+    ]:
+        print(f"     {label:46} {us(pct(xs, 50))}  {us(pct(xs, 99))}")
 
 
 # -- 2. round trips ------------------------------------------------------------------------------
 
-_STEP: contextvars.ContextVar[str] = contextvars.ContextVar("bench_step", default="other")
-_IN_SEND: contextvars.ContextVar[bool] = contextvars.ContextVar("bench_in_send", default=False)
+_CONNECTING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "bench_connecting", default=False
+)
 _WAITER_TASK = "prompt-broker waiter"
 
 
@@ -326,31 +496,38 @@ class RoundTripCounter:
         self.script_names = script_names  # sha -> script name
         self.sends: list[Send] = []
         self.counting = False
-        self._original: Callable[..., Awaitable[None]] | None = None
+        self._originals: tuple[Any, Any] | None = None
 
     def install(self) -> None:
-        original = self._original = Connection.send_packed_command
+        send, on_connect = Connection.send_packed_command, Connection.on_connect
+        self._originals = send, on_connect
         counter = self
 
-        async def send_packed_command(
-            conn: Connection, command: Any, check_health: bool = True
-        ) -> None:
-            nested = _IN_SEND.get()
+        async def counting_send(conn: Connection, command: Any, check_health: bool = True) -> None:
+            if not conn.is_connected:
+                await conn.connect()  # as `send` would: its handshake is noted before the command
             if counter.counting:
-                counter._note(command, nested)
-            token = _IN_SEND.set(True)
-            try:
-                await original(conn, command, check_health)
-            finally:
-                _IN_SEND.reset(token)
+                counter._note(command, _CONNECTING.get())
+            await send(conn, command, check_health)
 
-        Connection.send_packed_command = send_packed_command  # type: ignore[method-assign]
+        async def flagged_on_connect(conn: Connection) -> None:
+            # What a new connection writes before its first command (CLIENT SETINFO, ...).
+            token = _CONNECTING.set(True)
+            try:
+                await on_connect(conn)
+            finally:
+                _CONNECTING.reset(token)
+
+        Connection.send_packed_command = counting_send  # type: ignore[method-assign]
+        Connection.on_connect = flagged_on_connect  # type: ignore[method-assign]
 
     def uninstall(self) -> None:
-        if self._original is not None:
-            Connection.send_packed_command = self._original  # type: ignore[method-assign]
+        if self._originals is not None:
+            send, on_connect = self._originals
+            Connection.send_packed_command = send  # type: ignore[method-assign]
+            Connection.on_connect = on_connect  # type: ignore[method-assign]
 
-    def _note(self, command: Any, nested: bool) -> None:
+    def _note(self, command: Any, setup: bool) -> None:
         task = asyncio.current_task()
         step = "waiter reader" if task and task.get_name() == _WAITER_TASK else _STEP.get()
         names = []
@@ -359,7 +536,7 @@ class RoundTripCounter:
             if name == "EVALSHA":
                 name += " " + self.script_names.get(args[1].decode(), "?")
             names.append(name)
-        self.sends.append(Send(step, names, nested))
+        self.sends.append(Send(step, names, setup))
 
     @contextlib.contextmanager
     def counting_sends(self) -> Iterator[list[Send]]:
@@ -370,26 +547,6 @@ class RoundTripCounter:
             self.counting = False
 
 
-async def in_step(step: str, aw: Awaitable[T]) -> T:
-    token = _STEP.set(step)
-    try:
-        return await aw
-    finally:
-        _STEP.reset(token)
-
-
-async def lifecycle(asker: Broker, surface: Broker, thread: str, settle: float) -> str:
-    """ask -> wait() started -> post_item -> wait() returns; the prompt id."""
-    prompt = await in_step("ask", asker.ask(thread, "approval", [QUESTION]))
-    waiting = asyncio.create_task(
-        in_step("wait", asker.wait(thread, prompt.prompt_id, timeout=10))
-    )
-    await asyncio.sleep(settle)
-    await in_step("post_item", surface.post_item(thread, ANSWER))
-    await waiting
-    return prompt.prompt_id
-
-
 def describe(sends: list[Send]) -> str:
     parts = []
     for s in sends:
@@ -398,7 +555,7 @@ def describe(sends: list[Send]) -> str:
     return " | ".join(parts)
 
 
-def print_sends(title: str, sends: list[Send], steps: list[str], target: int | None) -> int:
+def print_sends(title: str, sends: list[Send], steps: list[str], target: int | None) -> None:
     print(f"   {title}")
     total = 0
     for step in [*steps, *sorted({s.step for s in sends} - set(steps))]:
@@ -410,12 +567,11 @@ def print_sends(title: str, sends: list[Send], steps: list[str], target: int | N
         print(f"     {step:14} {len(calls):2}{extra:32} {describe(mine) or '-'}")
     goal = f"   target <= {target}: {verdict(total <= target)}" if target is not None else ""
     print(f"     {'total':14} {total:2}{goal}")
-    return total
 
 
 async def bench_round_trips(url: str, settle: float) -> None:
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
-    asker, surface = _broker(url, prefix), _broker(url, prefix)
+    asker, surface = _broker(url, prefix), LocalSurface(url, prefix)
     names = {s.sha: s.name for s in asker._scripts.by_name.values()}
     counter = RoundTripCounter(names)
     counter.install()
@@ -425,37 +581,53 @@ async def bench_round_trips(url: str, settle: float) -> None:
     print("   its replies; a pipeline is one. Steps run as ask; wait() started; post_item.")
     try:
         # Cold: new Brokers (no connections yet) on a server that has not seen the scripts.
-        await asker.redis.script_flush()
+        async with _client(url) as r:
+            await r.script_flush()
         with counter.counting_sends() as cold:
-            await lifecycle(asker, surface, "rt-cold", settle)
+            run = await lifecycle(asker, "rt-cold", surface.post, settle)
+        # Loads audit.lua, uncounted: the audit figure below is the steady state.
+        await surface.broker.post_resolution("rt-cold", run.prompt_id)
         with counter.counting_sends() as fresh:
-            prompt_id = await lifecycle(asker, surface, "rt-thread", settle)
+            run = await lifecycle(asker, "rt-thread", surface.post, settle)
         with counter.counting_sends() as again:
-            await lifecycle(asker, surface, "rt-thread", settle)
+            await lifecycle(asker, "rt-thread", surface.post, settle)
         with counter.counting_sends() as audit:
-            item = await in_step("post_resolution", surface.post_resolution("rt-thread", prompt_id))
+            resolution = surface.broker.post_resolution("rt-thread", run.prompt_id)
+            item = await in_step("post_resolution", resolution)
         if item is None:
             raise RuntimeError("post_resolution posted nothing for a delivered answer")
     finally:
         counter.uninstall()
         await asker.aclose()
         await surface.aclose()
-    print_sends("lifecycle on a fresh thread (warm Brokers: connections open, scripts loaded):",
-                fresh, steps, ROUND_TRIP_TARGET)
-    print_sends("second lifecycle on the same thread (its wake channel already subscribed):",
-                again, steps, ROUND_TRIP_TARGET)
-    print_sends("for context, the very first lifecycle of two new Brokers after SCRIPT FLUSH:",
-                cold, steps, None)
+    print_sends(
+        "lifecycle on a fresh thread (warm Brokers: connections open, scripts loaded):",
+        fresh,
+        steps,
+        ROUND_TRIP_TARGET,
+    )
+    print_sends(
+        "second lifecycle on the same thread (its wake channel already subscribed):",
+        again,
+        steps,
+        ROUND_TRIP_TARGET,
+    )
+    print_sends(
+        "for context, the very first lifecycle of two new Brokers after SCRIPT FLUSH:",
+        cold,
+        steps,
+        None,
+    )
     print("   background, not in the lifecycle target: the audit job's Broker.post_resolution")
-    print_sends("(arq's own dequeue/result bookkeeping around the job is not counted here):",
-                audit, ["post_resolution"], None)
+    print_sends(
+        "(arq's own dequeue/result bookkeeping around the job is not counted here):",
+        audit,
+        ["post_resolution"],
+        None,
+    )
 
 
 # -- 3. memory per open prompt --------------------------------------------------------------------
-
-
-async def _used_memory(r: Redis) -> int:
-    return int((await r.info("memory"))["used_memory"])
 
 
 async def _settled_memory(r: Redis, clients: int) -> int:
@@ -466,83 +638,198 @@ async def _settled_memory(r: Redis, clients: int) -> int:
             break
         await asyncio.sleep(0.05)
     await asyncio.sleep(1.0)  # serverCron finishes freeing clients and the incremental rehash
-    return await _used_memory(r)
+    return int((await r.info("memory"))["used_memory"])
 
 
-async def _ask_many(url: str, prefix: str, count: int, batch: int) -> tuple[float, str, dict[str, int]]:
-    """Open `count` prompts, one per thread, `batch` at a time; (seconds, first prompt id,
-    what the server held while the asking Broker was still connected)."""
-    asker = _broker(url, prefix)
-    first = ""
+async def in_batches(
+    make: Callable[[int], Awaitable[T]], count: int, batch: int
+) -> tuple[float, T]:
+    """Run make(0..count-1), `batch` at a time; (seconds taken, the first result)."""
     t0 = time.perf_counter()
+    first: list[T] = []
+    for start in range(0, count, batch):
+        batch_done = asyncio.gather(*(make(i) for i in range(start, min(count, start + batch))))
+        done = await bounded(batch_done, f"a batch of {batch}", 60)
+        first = first or done[:1]
+    return time.perf_counter() - t0, first[0]
+
+
+@dataclass
+class OpenPrompts:
+    """What opening `count` prompts cost the server."""
+
+    count: int
+    before: int  # used_memory, settled, the asking Broker not yet connected
+    after: int  # used_memory, settled, the asking Broker closed
+    live: int  # used_memory while the asking Broker was still connected
+    clients: int  # connected clients then
+    channels: int  # wake channels subscribed then
+    seconds: float
+    prompt_id: str  # the first thread's prompt
+
+    @property
+    def per_prompt(self) -> float:
+        return (self.after - self.before) / self.count
+
+
+async def open_prompts(
+    url: str, r: Redis, prefix: str, *, name: str, count: int, batch: int
+) -> OpenPrompts:
+    """Ask one approval on each thread `<name>-000000`.., `batch` at a time, on one Broker."""
+    clients = int((await r.info("clients"))["connected_clients"])
+    before = await _settled_memory(r, clients)
+    # The waiter's sweep is put off past the run: with hundreds of asks in flight it would hit
+    # the race `HANG` describes. It touches no key, so the figures do not depend on it.
+    asker = _broker(url, prefix, sweep_interval=3600)
     try:
-        for start in range(0, count, batch):
-            prompts = await asyncio.gather(
-                *(asker.ask(f"mem-{i:06d}", "approval", [QUESTION])
-                  for i in range(start, min(count, start + batch)))
-            )
-            first = first or prompts[0].prompt_id
-        seconds = time.perf_counter() - t0
-        info = await asker.redis.info()
-        live = {"used_memory": int(info["used_memory"]),
-                "clients": int(info["connected_clients"]),
-                "channels": int(info["pubsub_channels"])}
+        seconds, first = await in_batches(
+            lambda i: asker.ask(f"{name}-{i:06d}", "approval", [QUESTION]), count, batch
+        )
+        info = await r.info()
     finally:
         await asker.aclose()
-    return seconds, first, live
+    after = await _settled_memory(r, clients)
+    return OpenPrompts(
+        count,
+        before,
+        after,
+        int(info["used_memory"]),
+        int(info["connected_clients"]),
+        int(info["pubsub_channels"]),
+        seconds,
+        first.prompt_id,
+    )
+
+
+SCRATCH_ENTRIES = 600
+
+
+async def stream_entry_cost(r: Redis, items: str, scratch: str) -> float:
+    """used_memory per entry of a stream holding SCRATCH_ENTRIES copies of `items`' first entry
+    (a pending_prompt): its cost in a long thread, where stream nodes fill up."""
+    ((_, fields),) = await r.xrange(items, count=1)
+    clients = int((await r.info("clients"))["connected_clients"])
+    before = await _settled_memory(r, clients)
+    pipe = r.pipeline(transaction=False)
+    for _ in range(SCRATCH_ENTRIES):
+        pipe.xadd(scratch, fields)
+    await pipe.execute()
+    after = await _settled_memory(r, clients)
+    await r.delete(scratch)
+    return (after - before) / SCRATCH_ENTRIES
+
+
+async def where_the_bytes_go(
+    r: Redis, keys: Keys, tk: ThreadKeys, prompt_id: str
+) -> tuple[int, list[tuple[str, float, str]]]:
+    """How many keys the thread has, and (label, bytes, note) for each key of its prompt."""
+    rows: list[tuple[str, float, str]] = []
+    for label, key in [
+        ("items stream", tk.items),
+        ("prompt hash", tk.prompt(prompt_id)),
+        ("active string", tk.active),
+    ]:
+        rows.append((label, await _usage(r, key), await r.object("encoding", key)))
+    entries = int(await r.zcard(keys.open))
+    rows.append(
+        (
+            "the global open sorted set, per entry",
+            await _usage(r, keys.open) / max(1, entries),
+            f"{await r.object('encoding', keys.open)}, {entries:,} entries",
+        )
+    )
+    return len(await r.keys(tk.base + "*")), rows
+
+
+async def _usage(r: Redis, key: str) -> int:
+    return int(await r.memory_usage(key, samples=0) or 0)
 
 
 async def bench_memory(url: str, count: int, batch: int) -> None:
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    keys = Keys(prefix)
     r = _client(url)
     try:
-        clients = int((await r.info("clients"))["connected_clients"])
-        before = await _settled_memory(r, clients)
-        seconds, prompt_id, live = await _ask_many(url, prefix, count, batch)
-        after = await _settled_memory(r, clients)
-        tk = Keys(prefix).thread("mem-000000")
-        keys = {"items stream": tk.items, "prompt hash": tk.prompt(prompt_id),
-                "active string": tk.active}
-        found = await r.keys(tk.base + "*")
-        per_key = {}
-        for label, key in keys.items():
-            usage = await r.memory_usage(key, samples=0)
-            per_key[label] = (int(usage or 0), await r.object("encoding", key))
-        open_key = f"{prefix}:open"
-        open_bytes = int(await r.memory_usage(open_key, samples=0) or 0)
-        open_count = int(await r.zcard(open_key))
-        open_encoding = await r.object("encoding", open_key)
-        hash_config = await r.config_get("hash-max-listpack-*")
-        stream_config = await r.config_get("stream-node-max-*")
+        fresh = await open_prompts(url, r, prefix, name="new", count=count, batch=batch)
+        tk = keys.thread("new-000000")
+        found, rows = await where_the_bytes_go(r, keys, tk, fresh.prompt_id)
+
+        # The same again on threads that already hold an item (agent output): what the prompt
+        # itself adds, once the thread's stream exists.
+        poster = _broker(url, prefix)
+        try:
+            post_seconds, _ = await in_batches(
+                lambda i: poster.post_item(f"old-{i:06d}", AGENT_OUTPUT), count, batch
+            )
+        finally:
+            await poster.aclose()
+        old_items = keys.thread("old-000000").items
+        stream_before = await _usage(r, old_items)
+        existing = await open_prompts(url, r, prefix, name="old", count=count, batch=batch)
+        stream_after = await _usage(r, old_items)
+        stream_entry = await stream_entry_cost(r, tk.items, f"{prefix}:scratch-stream")
+        config = await r.config_get("hash-max-listpack-*")
+        config.update(await r.config_get("stream-node-max-*"))
     finally:
         await r.aclose()
-    floor = len(pending_body(prompt_id, "approval", [QUESTION]))
-    per_prompt = (after - before) / count
-    print(f"\n3. Memory per open prompt   {count} open approval prompts, one thread each, "
-          f"asked {batch} at a time")
-    print(f"   asked in {seconds:.1f} s: {count / seconds:,.0f} asks/s "
-          "(one Broker, one event loop)")
-    print(f"   used_memory before {before:,} B, after {after:,} B (asking Broker closed)")
-    print(f"   {'floor: the pending_prompt item body JSON':52} {floor:7,} B")
-    print(f"   {'per open prompt: used_memory delta / count':52} {per_prompt:9,.0f} B   "
-          f"{per_prompt / floor:.1f}x floor   target <= {MEMORY_TARGET_BYTES} B: "
-          f"{verdict(per_prompt <= MEMORY_TARGET_BYTES)}")
-    live_per = (live["used_memory"] - before) / count
-    print(f"   {'  while the asking Broker was still connected':52} {live_per:9,.0f} B   "
-          f"({live['clients']} clients, {live['channels']:,} wake channels subscribed)")
-    print(f"   where the bytes go (MEMORY USAGE SAMPLES 0 on thread mem-000000; keys: {len(found)}):")
-    attributed = 0.0
-    for label, (usage, encoding) in per_key.items():
-        attributed += usage
-        print(f"     {label:50} {usage:7,} B   encoding {encoding}")
-    entry = open_bytes / max(1, open_count)
-    attributed += entry
-    print(f"     {'global open sorted set, per entry':50} {entry:9,.0f} B   encoding "
-          f"{open_encoding}, {open_count:,} entries")
-    print(f"     {'sum of the above':50} {attributed:9,.0f} B")
-    print(f"     {'not seen by MEMORY USAGE (delta - sum)':50} {per_prompt - attributed:9,.0f} B   "
-          "(keyspace table slots, allocator slack)")
-    print(f"   server config: {_fmt(hash_config)}, {_fmt(stream_config)}")
+    floor = len(pending_body(fresh.prompt_id, "approval", [QUESTION]))
+    print(
+        f"\n3. Memory per open prompt: {count:,} open approval prompts, asked {batch} at a time "
+        "by one Broker"
+    )
+    print(f"   server: {_fmt(config)}")
+    print(
+        "   the asking Broker runs with sweep_interval 3600 s: its sweep would otherwise drop "
+        "channels whose\n   SUBSCRIBE is in flight and hang those asks (a broker/_waiter.py race)"
+    )
+    print(f"   {'floor: the pending_prompt item body JSON':54} {floor:7,} B")
+    print("   a) each on a new thread (the issue's figure):")
+    print(f"     asked in {fresh.seconds:.1f} s: {count / fresh.seconds:,.0f} asks/s")
+    _print_open(fresh, floor, judged=True)
+    print(
+        f"     where the bytes go (MEMORY USAGE SAMPLES 0 on one thread, which has {found} keys):"
+    )
+    for label, usage, note in rows:
+        print(f"       {label:50} {usage:9,.0f} B   {note}")
+    attributed = sum(usage for _, usage, _ in rows)
+    print(f"       {'sum':50} {attributed:9,.0f} B")
+    print(
+        f"       {'used_memory delta - sum':50} {fresh.per_prompt - attributed:9,.0f} B   "
+        "(keyspace table slots, allocator rounding; MEMORY USAGE is an estimate)"
+    )
+    print("   b) each on a thread that already holds one item (what the prompt itself adds):")
+    print(
+        f"     threads made in {post_seconds:.1f} s ({count / post_seconds:,.0f} posts/s), "
+        f"asked in {existing.seconds:.1f} s: {count / existing.seconds:,.0f} asks/s"
+    )
+    _print_open(existing, floor, judged=False)
+    print(
+        f"       {'items stream of one thread grew':50} {stream_after - stream_before:7,} B   "
+        f"({stream_before:,} -> {stream_after:,} B: the entry took preallocated space)"
+    )
+    print(
+        f"       {'+ its pending_prompt entry, amortized':50} {stream_entry:9,.0f} B   "
+        f"(used_memory / {SCRATCH_ENTRIES} such entries on one scratch stream)"
+    )
+    amortized = existing.per_prompt + stream_entry
+    _print_per_prompt("per open prompt, its stream entry amortized", amortized, floor, True)
+
+
+def _print_open(o: OpenPrompts, floor: int, *, judged: bool) -> None:
+    print(
+        f"     used_memory {o.before:,} -> {o.after:,} B (measured with the asking Broker closed)"
+    )
+    _print_per_prompt("per open prompt: used_memory delta / count", o.per_prompt, floor, judged)
+    live = (o.live - o.before) / o.count
+    print(
+        f"     {'  the same while the asking Broker was connected':52} {live:9,.0f} B   "
+        f"({o.clients} clients, {o.channels:,} wake channels subscribed)"
+    )
+
+
+def _print_per_prompt(label: str, value: float, floor: int, judged: bool) -> None:
+    goal = f"   target <= {MEMORY_TARGET_BYTES} B: {verdict(value <= MEMORY_TARGET_BYTES)}"
+    print(f"     {label:52} {value:9,.0f} B   {value / floor:.1f}x floor{goal if judged else ''}")
 
 
 def _fmt(config: dict[str, str]) -> str:
@@ -559,24 +846,65 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "redis-py's PUBLISH->receive floor, client round trips per ask/answer/wake lifecycle, "
         "and memory per open prompt beside the size of its item body. Exits 0 either way.",
     )
-    parser.add_argument("--quick", action="store_true",
-                        help="smaller counts (200 lifecycles, 10,000 prompts): well under a minute")
-    parser.add_argument("--lifecycles", type=int, default=None, metavar="N",
-                        help="sequential lifecycles timed for the wake latency (default 2000, "
-                        "quick 200)")
-    parser.add_argument("--prompts", type=int, default=None, metavar="N",
-                        help="open prompts created for the memory figure (default 100000, "
-                        "quick 10000)")
-    parser.add_argument("--batch", type=int, default=500, metavar="N",
-                        help="asks run concurrently while creating them (default 500)")
-    parser.add_argument("--settle-ms", type=float, default=2.0, metavar="MS",
-                        help="sleep between starting wait() and posting the answer (default 2)")
-    parser.add_argument("--redis-server", default=shutil.which("redis-server"), metavar="PATH",
-                        help="the redis-server binary to start (default: the one on PATH)")
-    parser.add_argument("--port", type=int, default=0,
-                        help="port for the private redis-server (default: a free one)")
-    parser.add_argument("--only", choices=["wake", "round-trips", "memory"], action="append",
-                        help="run only this figure (repeatable; default: all three)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller counts (200 lifecycles, 10,000 prompts): well under a minute",
+    )
+    parser.add_argument(
+        "--lifecycles",
+        type=int,
+        default=None,
+        metavar="N",
+        help="sequential lifecycles timed for the wake latency (default 2000, quick 200)",
+    )
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="open prompts created for the memory figure (default 100000, quick 10000)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=500,
+        metavar="N",
+        help="asks run concurrently while creating them (default 500)",
+    )
+    parser.add_argument(
+        "--settle-ms",
+        type=float,
+        default=2.0,
+        metavar="MS",
+        help="sleep between starting wait() and posting the answer (default 2)",
+    )
+    parser.add_argument(
+        "--redis-server",
+        default=shutil.which("redis-server"),
+        metavar="PATH",
+        help="the redis-server binary to start (default: the one on PATH)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="port for the private redis-server (default: a free one)",
+    )
+    parser.add_argument(
+        "--redis-config",
+        action="append",
+        default=[],
+        metavar="'NAME VALUE'",
+        help="an extra redis.conf directive for the private server, for what-if runs "
+        "(repeatable), e.g. --redis-config 'hash-max-listpack-value 1024'",
+    )
+    parser.add_argument(
+        "--only",
+        choices=["wake", "round-trips", "memory"],
+        action="append",
+        help="run only this figure (repeatable; default: all three)",
+    )
     args = parser.parse_args(argv)
     args.lifecycles = args.lifecycles or (200 if args.quick else 2000)
     args.prompts = args.prompts or (10_000 if args.quick else 100_000)
@@ -592,9 +920,11 @@ async def run(args: argparse.Namespace, url: str) -> None:
     settle = args.settle_ms / 1000
     async with _client(url) as r:
         version = (await r.info("server"))["redis_version"]
-    print(f"prompt-broker benchmark: private redis-server {version} at {url}; python "
-          f"{platform.python_version()}, redis-py {redis.__version__}, hiredis "
-          f"{'yes' if HIREDIS_AVAILABLE else 'no'}")
+    print(
+        f"prompt-broker benchmark: private redis-server {version} at {url}; python "
+        f"{platform.python_version()}, redis-py {redis.__version__}, hiredis "
+        f"{'yes' if HIREDIS_AVAILABLE else 'no'}" + "".join(f"; {c}" for c in args.redis_config)
+    )
     # Round trips first: its cold lifecycle wants a server that has not loaded the scripts yet.
     if "round-trips" in only:
         await bench_round_trips(url, settle)
@@ -607,7 +937,7 @@ async def run(args: argparse.Namespace, url: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    with private_redis(args.redis_server, args.port or _free_port()) as url:
+    with private_redis(args.redis_server, args.port or _free_port(), args.redis_config) as url:
         asyncio.run(run(args, url))
     print(f"\ndone in {time.perf_counter() - started:.1f} s")
     return 0
