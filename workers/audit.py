@@ -16,6 +16,8 @@ to `job_timeout + 1 s`; arq's command keeps its `+ 10 s`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import re
 import signal
@@ -26,7 +28,11 @@ import arq.worker
 from arq import cron, func
 from arq.connections import RedisSettings
 from arq.worker import Worker
-from redis.exceptions import ResponseError
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from ulid import ULID
 
 from broker import Broker, Keys, Settings
@@ -153,6 +159,16 @@ async def _prompt_batches(broker: Broker) -> Any:
         yield batch
 
 
+def _redis_settings(url: str) -> RedisSettings:
+    """arq's Redis settings, riding out a Redis restart or failover: every command and every
+    connect is retried on a connection error, backing off to 1 s, for about 40 s in all."""
+    return dataclasses.replace(
+        RedisSettings.from_dsn(url),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError, OSError],
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=45),
+    )
+
+
 def worker_settings(settings: Settings | None = None) -> dict[str, Any]:
     """arq Worker keyword arguments for these settings (the environment by default)."""
     settings = settings or Settings.from_env()
@@ -160,7 +176,7 @@ def worker_settings(settings: Settings | None = None) -> dict[str, Any]:
         "functions": [func(post_resolution, name=AUDIT_JOB)],
         "cron_jobs": [cron(reconcile, second={0, 15, 30, 45}, run_at_startup=True)],
         "queue_name": Keys(settings.key_prefix).audit_queue,
-        "redis_settings": RedisSettings.from_dsn(settings.redis_url),
+        "redis_settings": _redis_settings(settings.redis_url),
         "job_timeout": settings.audit_job_timeout,
         # No result kept: posting is idempotent on its own, and a kept result would block
         # re-enqueueing that prompt's job until it expired.
@@ -210,7 +226,8 @@ async def serve(settings: Settings) -> None:
     except asyncio.CancelledError:
         pass
     finally:
-        await worker.close()
+        with contextlib.suppress(RedisError, OSError):
+            await worker.close()
 
 
 if __name__ == "__main__":
