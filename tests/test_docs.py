@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
 
 import broker
 from broker import Settings
@@ -45,3 +49,26 @@ def test_readme_set_up_commands_exist() -> None:
         assert f"{script} " in README
         path = root / script
         assert path.is_file() and path.stat().st_mode & 0o111, script
+
+
+@pytest.mark.real_redis
+def test_readme_example_runs(
+    real_redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The README's library example runs as written and prints what it says it prints."""
+    code = re.search(r"```python\n(.*?)```", README, re.S)
+    assert code is not None
+    monkeypatch.setenv("PROMPT_BROKER_KEY_PREFIX", prefix)
+    source = code.group(1).replace("redis://127.0.0.1:6379/0", real_redis_url)
+    try:
+        exec(compile(source, "README.md", "exec"), {"__name__": "readme"})
+    finally:
+        client = redis.Redis.from_url(real_redis_url)
+        keys = list(client.scan_iter(match=f"{prefix}:*")) + list(
+            client.scan_iter(match=f"arq:*:{prefix}:*")
+        )
+        if keys:
+            client.delete(*keys)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("answered [Answer(") and "answer=['production']" in out[0]
+    assert "answer=['production']" in out[1]
