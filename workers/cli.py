@@ -42,6 +42,12 @@ def _level(args: argparse.Namespace) -> int:
     return logging.DEBUG if args.verbose >= 2 else logging.INFO
 
 
+def _me() -> str:
+    """How to run this command again: the console script's path, or `prompt-broker`."""
+    argv0 = Path(sys.argv[0])
+    return str(argv0) if argv0.name == "prompt-broker" else "prompt-broker"
+
+
 def _explicit_redis(args: argparse.Namespace) -> bool:
     return args.redis_url is not None or "PROMPT_BROKER_REDIS_URL" in os.environ
 
@@ -96,10 +102,10 @@ async def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     await fleet.ready()
     where = fleet.embedded.kind if fleet.embedded else fleet.url
     print(f"fleet up: {args.workers} replicas and the audit worker on {where}", flush=True)
-    print(f"  try:  PROMPT_BROKER_REDIS_URL={fleet.url} prompt-broker thread new t1", flush=True)
-    print(
-        f"        PROMPT_BROKER_REDIS_URL={fleet.url} prompt-broker answer t1 'hello'", flush=True
-    )
+    me = _me()
+    print(f"  try:  export PROMPT_BROKER_REDIS_URL={fleet.url}", flush=True)
+    print(f"        {me} thread new t1 --message hello   # its agent asks 'Pick one'", flush=True)
+    print(f"        {me} answer t1 2 && {me} show t1", flush=True)
     print("  Ctrl-C stops the fleet (prompts stay open in Redis)", flush=True)
     while not stop.is_set():
         try:
