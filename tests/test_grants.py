@@ -317,3 +317,14 @@ def test_resume_text_prompt_gives_the_typed_answer() -> None:
     text = resume_text(prompt, WORK)
     assert "Branch name?" in text
     assert "feature/x" in text
+
+
+def test_session_wide_approval_counts_as_approval() -> None:
+    """A structured `Approve for this session` approves a parked approval (the reference's E22)."""
+    from workers.grants import approves
+
+    assert approves([Answer(question="q", answer=["Approve for this session"])])
+    assert approves([Answer(question="q", answer=["approve"])])
+    assert not approves([Answer(question="q", answer=["Approve & remember"])])
+    assert not approves([Answer(question="q", answer=["Deny"])])
+    assert not approves([])

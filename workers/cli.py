@@ -208,7 +208,8 @@ async def cmd_thread(args: argparse.Namespace, settings: Settings) -> int:
             policy = _policy(args)
             harness = default_harnesses().get(args.harness)
             if harness is None:
-                raise CliError(f"--harness: no harness {args.harness!r} (have: scripted)")
+                have = ", ".join(sorted(default_harnesses()))
+                raise CliError(f"--harness: no harness {args.harness!r} (have: {have})")
             validate = getattr(sys.modules[type(harness).__module__], "validate_config", None)
             if validate is not None:
                 validate(config)

@@ -12,7 +12,23 @@ import re
 from broker import Prompt, verdict
 from broker.answers import NEGATIVE
 
-__all__ = ["covers", "resume_text"]
+__all__ = ["approves", "covers", "resume_text"]
+
+#: Labels that approve beyond `broker.answers.AFFIRMATIVE`: the Codex harness's session-wide
+#: option (`workers.codex.SESSION_LABEL`), which only a structured answer can pick. The
+#: reference scored it as a denial on the parked path (E22); we count it as the approval it is.
+SESSION_APPROVALS = frozenset({"approve for this session"})
+
+
+def approves(answers: object) -> bool:
+    """An approval verdict that also takes the session-wide option as approval."""
+    if verdict(answers) == "approve":
+        return True
+    first = answers[0] if isinstance(answers, list) and answers else None
+    labels = getattr(first, "answer", None)
+    label = labels[0] if isinstance(labels, list) and labels else None
+    return isinstance(label, str) and " ".join(label.split()).casefold() in SESSION_APPROVALS
+
 
 _CD_THEN = re.compile(r"cd (?P<path>'[^']*'|\"[^\"]*\"|[^\s;|&'\"]+) && (?P<cmd>.+)", re.S)
 _SAFE_PATH = re.compile(r"[A-Za-z0-9._/ -]+")
@@ -53,7 +69,7 @@ def resume_text(prompt: Prompt, work_folder: str = "") -> str:
     subject = prompt.questions[0].subject if prompt.questions else None
     answers = prompt.answers or []
     if prompt.kind == "approval" and subject:
-        if verdict(answers) == "approve":
+        if approves(answers):
             text = f"Your request to use `{subject}` was APPROVED by the person. Retry it now."
             if work_folder:
                 text += (

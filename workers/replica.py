@@ -47,10 +47,9 @@ from broker import (
     Question,
     Session,
     Settings,
-    verdict,
 )
 from workers import policy
-from workers.grants import covers, resume_text
+from workers.grants import approves, covers, resume_text
 from workers.harness import Gate, GateVerdict, Harness, PromptParked, Resume, Turn, TurnResult
 
 logger = logging.getLogger("workers.replica")
@@ -65,9 +64,17 @@ ADOPT_PAGE = 500
 
 
 def default_harnesses() -> dict[str, Harness]:
+    from workers.codex import CodexHarness
     from workers.scripted import ScriptedHarness
 
-    return {"scripted": ScriptedHarness()}
+    harnesses: dict[str, Harness] = {"scripted": ScriptedHarness(), "codex": CodexHarness()}
+    try:  # the `claude` extra: only when claude-agent-sdk is installed
+        from workers.claude import ClaudeHarness
+    except ImportError:
+        pass
+    else:
+        harnesses["claude_code"] = ClaudeHarness()
+    return harnesses
 
 
 class _Lost(Exception):
@@ -340,7 +347,7 @@ class Replica:
 
     async def _resume(self, t: _Thread, session: Session, prompt: Prompt) -> None:
         q = prompt.questions[0]
-        approve = verdict(prompt.answers) == "approve"
+        approve = approves(prompt.answers)
         grant = None
         if prompt.kind == "approval" and approve and q.subject:
             grant = Grant(subject=q.subject, grant_key=q.grant_key, granted_by=prompt.prompt_id)
