@@ -219,7 +219,11 @@ async def lifecycle(asker: Broker, thread: str, post: Post, settle: float) -> Li
 
 async def _timed_wait(asker: Broker, thread: str, prompt_id: str) -> float:
     await asker.wait(thread, prompt_id, timeout=STEP_TIMEOUT)
-    return time.perf_counter()
+    returned = time.perf_counter()
+    # The delivery record follows the hand-over (DESIGN's order): its round trip is counted
+    # with the wait step, not timed in the wake, and done before the next lifecycle starts.
+    await asker.settle()
+    return returned
 
 
 # -- 1. wake latency -----------------------------------------------------------------------------
@@ -450,7 +454,7 @@ def print_wake(title: str, s: Samples, size: int) -> None:
     for label, xs in [
         ("  post_item returned (route.lua, 1 RT)", s.posted),
         ("  the asker's waiter heard the bell", s.heard),
-        ("  heard -> wait() returned (deliver pipeline)", deliver),
+        ("  heard -> wait() returned", deliver),
     ]:
         print(f"     {label:46} {us(pct(xs, 50))}  {us(pct(xs, 99))}")
 

@@ -63,6 +63,8 @@ _RESERVED_TYPES = frozenset(
 )
 _ITEM_KEYS = frozenset({"content", "metadata", "author"})
 _AUDIT_EXPIRES_MS = 86_400_000
+#: Seconds between tries to record a delivery made before it was recorded (about a minute).
+_DELIVERY_RETRIES = (0, 0.1, 0.5, 1, 2, 5, 10, 20, 30)
 
 
 def _new_id(prefix: str) -> str:
@@ -108,6 +110,7 @@ class Broker:
         self._waiter = Waiter(pubsub or redis, self._read_wakes, self.settings.sweep_interval)
         self.sessions = Sessions(self)
         self._closed = False
+        self._deliveries: set[asyncio.Task[None]] = set()
 
     @classmethod
     def from_url(
@@ -137,6 +140,12 @@ class Broker:
         """Close the pub/sub connection (open waits are cancelled) and, if owned, the pool."""
         if self._closed:
             return
+        try:
+            await asyncio.wait_for(self.settle(), 5)
+        except TimeoutError:
+            logger.error("broker.deliveries_unrecorded", extra={"n": len(self._deliveries)})
+            for task in list(self._deliveries):
+                task.cancel()
         self._closed = True
         await self._waiter.aclose()
         if self._owns_client:
@@ -263,8 +272,12 @@ class Broker:
     ) -> list[Answer]:
         """Wait for the person's answer and return it; the agent now has it.
 
-        With `deliver=False` the answers come back unmarked: the caller hands them over, then
-        calls `deliver`, so cancelling the wait can never cancel a delivery half-way.
+        Then the delivery is recorded (the audit item waits for that record, so an answer no
+        caller received is never audited). Unfenced, as DESIGN orders it: the answers are handed
+        over first and the record follows in the background, a round trip later; `settle()`
+        waits for it, and `aclose()` does too. Fenced (`epoch`): recorded first, so a replica
+        that lost the thread never hands over an answer. With `deliver=False` nothing is
+        recorded: the caller hands the answers over, then calls `deliver`.
 
         Raises `PromptCancelled` (with the reason) if the prompt was cancelled or superseded,
         `TimeoutError` after `timeout` seconds (the prompt stays open), `PromptNotFound`, and
@@ -280,9 +293,32 @@ class Broker:
         if wake["state"] == "cancelled":
             raise PromptCancelled(prompt_id, wake.get("reason") or "")
         answers = [Answer.model_validate(a) for a in wake["answers"]]
-        if deliver:
+        if deliver and epoch is None:
+            task = asyncio.create_task(self._deliver_later(tk, prompt_id))
+            self._deliveries.add(task)
+            task.add_done_callback(self._deliveries.discard)
+        elif deliver:
             await self._deliver(tk, prompt_id, epoch)
         return answers
+
+    async def settle(self) -> None:
+        """Wait until every delivery `wait` handed over has been recorded."""
+        while self._deliveries:
+            await asyncio.gather(*self._deliveries, return_exceptions=True)
+
+    async def _deliver_later(self, tk: ThreadKeys, prompt_id: str) -> None:
+        """Record a delivery after the fact, riding out a short Redis outage."""
+        for delay in _DELIVERY_RETRIES:
+            await asyncio.sleep(delay)
+            try:
+                await self._deliver(tk, prompt_id, None)
+                return
+            except BrokerUnavailable as e:
+                error: BrokerUnavailable = e
+        logger.error(
+            "prompt.delivery_unrecorded",
+            extra={"thread_id": tk.thread_id, "prompt_id": prompt_id, "error": repr(error)},
+        )
 
     async def deliver(self, thread_id: str, prompt_id: str, *, epoch: int | None = None) -> None:
         """Record that answers a `wait(..., deliver=False)` returned were handed over, and

@@ -61,6 +61,7 @@ async def test_answer_audited_once_after_delivery(broker: Broker, run_worker: Ru
     p = await broker.ask("t", "approval", [APPROVAL])
     await broker.post_item("t", text("yes"))
     answers = await broker.wait("t", p.prompt_id, timeout=5)
+    await broker.settle()
     await run_worker(broker)
     [res] = resolutions(await broker.items("t"), p.prompt_id)
     assert res.metadata["prompt"] == {
@@ -107,6 +108,7 @@ async def test_racing_posters_post_one_resolution(make_broker: BrokerFactory) ->
     p = await brokers[0].ask("t", "approval", [APPROVAL])
     await brokers[1].post_item("t", text("ok"))
     await brokers[0].wait("t", p.prompt_id, timeout=5)
+    await brokers[0].settle()
     ids = await asyncio.gather(*(b.post_resolution("t", p.prompt_id) for b in brokers))
     assert len(set(ids)) == 1 and ids[0] is not None
     assert len(resolutions(await brokers[0].items("t"), p.prompt_id)) == 1

@@ -306,6 +306,7 @@ async def test_answer_before_wait_returns_at_once(broker: Broker) -> None:
     await broker.post_item("t", text("approve"))
     answers = await broker.wait("t", p.prompt_id, timeout=2)
     assert answers[0].answer == ["Approve"]
+    await broker.settle()
     assert (await broker.get_prompt("t", p.prompt_id)).delivered_at is not None
 
 

@@ -108,6 +108,7 @@ async def test_script_cache_flushed(brokers: tuple[Broker, Broker], server: Redi
     await surface.post_item("t", text("yes"))
     await agent.redis.script_flush()
     assert (await agent.wait("t", p.prompt_id, timeout=5))[0].answer == ["Approve"]
+    await agent.settle()
     assert (await agent.get_prompt("t", p.prompt_id)).delivered_at is not None
 
 
