@@ -63,6 +63,8 @@ _RESERVED_TYPES = frozenset(
 )
 _ITEM_KEYS = frozenset({"content", "metadata", "author"})
 _AUDIT_EXPIRES_MS = 86_400_000
+#: Seconds an ask waits for its bell's subscription before going ahead without it.
+_SUBSCRIBE_FOR_ASK = 2.0
 #: Seconds between tries to record a delivery made before it was recorded (about a minute).
 _DELIVERY_RETRIES = (0, 0.1, 0.5, 1, 2, 5, 10, 20, 30)
 
@@ -194,7 +196,7 @@ class Broker:
             else orjson.dumps({"prompt_id": prompt_id, "kind": checked_kind, "subject": subject})
         )
         try:
-            generation = await self._waiter.subscribe(tk.wake, thread_id)
+            generation = await self._subscribe_for_ask(tk)
             pipe = self.redis.pipeline(transaction=False)
             self._scripts.queue(
                 pipe,
@@ -222,7 +224,8 @@ class Broker:
         if status == "fenced":
             await self.redis.zrem(self.keys.open, self.keys.member(thread_id, prompt_id))
             raise Fenced(thread_id, epoch or 0, int(sid_or_epoch) if sid_or_epoch else None)
-        self._waiter.expect(prompt_id, tk.wake, generation)
+        if generation is not None:
+            self._waiter.expect(prompt_id, tk.wake, generation)
         if superseded:
             await self._after_cancel(thread_id, superseded)
         logger.info(
@@ -243,6 +246,18 @@ class Broker:
             item_id=item_id,
             created_at=_codec.sid_datetime(sid_or_epoch),
         )
+
+    async def _subscribe_for_ask(self, tk: ThreadKeys) -> int | None:
+        """Subscribe to the thread's bell before asking, so the wait that follows needs no read.
+
+        Only an optimisation: when the confirmation is slow (the pub/sub connection is
+        reconnecting) the ask goes ahead, and its wait reads the record as usual.
+        """
+        try:
+            async with asyncio.timeout(_SUBSCRIBE_FOR_ASK):
+                return await self._waiter.subscribe(tk.wake, tk.thread_id)
+        except TimeoutError:
+            return None
 
     async def _ask_outcome_unknown(
         self, tk: ThreadKeys, prompt_id: str, error: BaseException

@@ -448,3 +448,22 @@ async def test_sweep_never_drops_a_channel_being_subscribed(make_broker: BrokerF
     await asyncio.sleep(0.05)
     await broker.post_item(p.thread_id, text("yes"))
     assert (await waiting)[0].answer == ["Approve"]
+
+
+async def test_ask_goes_ahead_when_the_bell_cannot_be_subscribed(
+    make_broker: BrokerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A subscription that never confirms delays an ask by at most 2 s; its wait still works."""
+    agent, surface = await make_broker(), await make_broker()
+    hang = asyncio.Event()
+    real_subscribe = agent._waiter.subscribe
+
+    async def stuck(channel: str, thread_id: str) -> int:
+        await hang.wait()
+        return await real_subscribe(channel, thread_id)
+
+    monkeypatch.setattr(agent._waiter, "subscribe", stuck)
+    p = await asyncio.wait_for(agent.ask("t", "approval", [APPROVAL]), 5)
+    monkeypatch.setattr(agent._waiter, "subscribe", real_subscribe)
+    await surface.post_item("t", text("yes"))
+    assert (await agent.wait("t", p.prompt_id, timeout=5))[0].answer == ["Approve"]
