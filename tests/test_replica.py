@@ -578,6 +578,29 @@ async def test_run_failure_cancels_the_open_prompt(fleet: Fleet, person: Broker)
     assert e.value.reason == "boom"
 
 
+class AskThenComplete(AskThenFail):
+    """A harness whose turn starts a held ask in the background and then completes."""
+
+    async def run_turn(self, turn: Turn) -> TurnResult:
+        await super().run_turn(turn)
+        return TurnResult("completed")
+
+
+async def test_completed_run_cancels_a_prompt_left_open(fleet: Fleet, person: Broker) -> None:
+    """A turn that completes with its question still open cancels it: the run ended."""
+    harness = AskThenComplete(person)
+    await fleet.start("r1", harnesses={"x": harness})
+    await person.sessions.create("t1", "x", "approval", {})
+    await person.post_item("t1", text("go"))
+    items = await turn_ends(person, "t1")
+    (pending,) = of_type(items, "pending_prompt")
+    prompt = await person.get_prompt("t1", pending.metadata["prompt"]["prompt_id"])
+    assert (prompt.state, prompt.reason) == ("cancelled", "the run ended")
+    (ask,) = harness.asks
+    with pytest.raises(PromptCancelled):
+        await asyncio.wait_for(ask, 5)
+
+
 # -- clean stop and adoption -----------------------------------------------------------------
 
 

@@ -57,6 +57,8 @@ logger = logging.getLogger("workers.replica")
 __all__ = ["Replica", "default_harnesses"]
 
 OUTPUT = "agent_output"
+#: The reason a prompt still open when its turn completed is cancelled with.
+RUN_ENDED = "the run ended"
 #: A thread whose lease ran out this long ago is taken by any replica, however loaded.
 URGENT_MS = 500
 #: Expired leases one adoption look takes; a full page means more wait: look again at once.
@@ -460,6 +462,8 @@ class Replica:
             await self._post(t, f"✗ the turn failed: {result.error}", "turn_end", "failed")
             await self._update(t, status="idle", wait=None, hstate=state, error=result.error)
             return
+        # A run that ended leaves no question behind for nobody to take the answer of.
+        await self.broker.cancel(t.thread_id, RUN_ENDED, epoch=t.epoch)
         await self._post(t, "", "turn_end", "completed")
         await self._update(t, status="idle", wait=None, hstate=state, error=None)
 
