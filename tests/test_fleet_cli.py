@@ -68,3 +68,12 @@ def test_demo_passes_on_its_own_redis() -> None:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "on a private redis-server" in run.stdout
     assert "demo: OK: 8 threads, 8 prompts" in run.stdout
+
+
+def test_demo_falls_back_to_embedded_fakeredis(tmp_path: Path) -> None:
+    """With no redis-server on PATH, the fleet runs on an embedded fakeredis server, and says so."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROMPT_BROKER_")}
+    run = cli("demo", "--workers", "2", env=clean | {"PATH": str(tmp_path)}, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "on an embedded fakeredis server" in run.stdout
+    assert "demo: OK: 8 threads, 8 prompts" in run.stdout
