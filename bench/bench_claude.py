@@ -2,7 +2,7 @@
 
 One in-process replica (`workers.replica.Replica`) with the `claude_code` harness, on a private
 `redis-server` (free port, no persistence, stopped by its pid at the end), and the scripted fake
-Messages API (`tests/fake_anthropic.py`). Each run is a new thread whose model calls Bash once
+Messages API (`workers/fakes/anthropic.py`). Each run is a new thread whose model calls Bash once
 (`date +%s.%N > <file>`: the command records when it ran) and a "person" approves it.
 
 1. request -> prompt: from the moment the fake model finished sending the tool call (wall clock,
@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from broker import Broker, Settings  # noqa: E402
-from tests.fake_anthropic import FakeAnthropic, Script, text, tool_use  # noqa: E402
 from workers.claude import ClaudeHarness  # noqa: E402
+from workers.fakes.anthropic import FakeAnthropic, Script, text, tool_use  # noqa: E402
 from workers.replica import Replica  # noqa: E402
 
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 
 Every end-to-end test runs in-process replicas (`workers.replica.Replica`) on the real
 redis-server (each test its own key prefix), a "person" answering through a Broker, and the real
-CLI talking to `tests.fake_anthropic` on 127.0.0.1: a scripted model whose requests are recorded,
+CLI talking to `workers.fakes.anthropic` on 127.0.0.1: a scripted model whose requests are recorded,
 so each test checks what the model was told (the `tool_result`s). Each replica gets its own
 scratch root, so a session resumed on another replica can only come from Redis.
 
@@ -29,15 +29,6 @@ pytest.importorskip(
 
 from broker import Answer, BadItem, Broker, Item, PromptCancelled, PromptUnavailable
 from tests.conftest import BrokerFactory
-from tests.fake_anthropic import (
-    FakeAnthropic,
-    Reply,
-    Script,
-    last_user_text,
-    text,
-    tool_results_in,
-    tool_use,
-)
 from tests.test_replica import (
     Fleet,
     Running,
@@ -55,6 +46,15 @@ from workers.claude import (
     ask_questions,
     parse_config,
     updated_input,
+)
+from workers.fakes.anthropic import (
+    FakeAnthropic,
+    Reply,
+    Script,
+    last_user_text,
+    text,
+    tool_results_in,
+    tool_use,
 )
 from workers.harness import GateVerdict, Turn, TurnResult
 

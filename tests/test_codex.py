@@ -1,5 +1,5 @@
 """The Codex harness against the REAL Codex CLI (npm `@openai/codex`, pinned in package.json),
-driven offline over `codex app-server` against `tests/fake_responses.py` on 127.0.0.1.
+driven offline over `codex app-server` against `workers/fakes/responses.py` on 127.0.0.1.
 
 Two layers:
 
@@ -46,7 +46,6 @@ from broker import (
     Settings,
 )
 from tests.conftest import RedisServer, delete_prefix
-from tests.fake_responses import FakeResponses
 from workers.codex import (
     APPROVAL_METHODS,
     COMMAND,
@@ -63,6 +62,7 @@ from workers.codex import (
     other_reply,
     parse_config,
 )
+from workers.fakes.responses import FakeResponses
 from workers.fleet import Fleet
 from workers.harness import GateVerdict, PromptParked, Turn, TurnResult
 from workers.replica import Replica

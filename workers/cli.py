@@ -4,6 +4,7 @@ prompt-broker worker [--id NAME]         one replica, until SIGTERM/SIGINT
 prompt-broker audit                      the arq audit worker
 prompt-broker up [--workers N]           a local fleet: N replicas + the audit worker
 prompt-broker demo [--workers N]         a self-driving scenario on a local fleet
+       [--harness scripted|claude_code|codex]   (the real agent CLIs against a fake model)
 prompt-broker thread new THREAD [...]    create a thread and its agent session
 prompt-broker thread close THREAD        end a thread (its open prompt is cancelled)
 prompt-broker thread status THREAD       who holds it, its lease, what it waits on
@@ -117,11 +118,36 @@ async def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-async def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
-    from workers.demo import run_demo
+def _demo_args(parser: argparse.ArgumentParser) -> None:
+    _fleet_args(parser)
+    parser.add_argument(
+        "--harness",
+        default="scripted",
+        metavar="HARNESS",
+        help="the agents: scripted (default), or a real CLI against a fake model: claude_code "
+        "(pip install -e '.[claude]'), codex (npm ci)",
+    )
 
+
+async def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
+    from workers.demo import HARNESSES, run_demo
+
+    if args.harness not in HARNESSES:
+        raise CliError(f"--harness: no demo for {args.harness!r} (have: {', '.join(HARNESSES)})")
+    if args.harness != "scripted":
+        from workers.demo_agents import missing_cli
+
+        missing = missing_cli(args.harness)
+        if missing is not None:
+            raise CliError(missing)
     configure(logging.DEBUG if args.verbose >= 2 else logging.WARNING, json=False)
-    ok = await run_demo(settings, args.workers, embedded=not _explicit_redis(args), logs=args.logs)
+    ok = await run_demo(
+        settings,
+        args.workers,
+        embedded=not _explicit_redis(args),
+        logs=args.logs,
+        harness=args.harness,
+    )
     return 0 if ok else 1
 
 
@@ -242,7 +268,7 @@ RUNTIME: dict[str, Command] = {
     "worker": Command("run one replica until SIGTERM/SIGINT", _worker_args, cmd_worker, 0),
     "audit": Command("run the audit worker (arq)", lambda _p: None, cmd_audit, 0),
     "up": Command("run a local fleet: replicas and the audit worker", _fleet_args, cmd_up, 0),
-    "demo": Command("a self-driving scenario on a local fleet", _fleet_args, cmd_demo),
+    "demo": Command("a self-driving scenario on a local fleet", _demo_args, cmd_demo),
     "thread": Command("create, close or inspect a thread", _thread_args, cmd_thread),
 }
 

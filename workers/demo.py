@@ -6,14 +6,21 @@ threads are answered while it is dead and adopted by the others. Then every thre
 each prompt resolved once, each answer delivered once and audited once, each expected line of
 agent output present exactly once. The transcripts and a one-line verdict are printed; the exit
 status is non-zero if anything was lost or doubled.
+
+`--harness claude_code|codex` runs the same scenario on the real agent CLIs against a fake model
+in this process (`workers.demo_agents`), with what those agents can do checked too: the files
+approved commands write, the session resumed after the kill, the processes gone with the victim.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +31,10 @@ from broker import Broker, Item, Prompt, Settings
 from broker.cli import render_item
 from workers.fleet import Fleet
 
-__all__ = ["run_demo"]
+__all__ = ["HARNESSES", "Case", "Effect", "Rig", "run_demo"]
+
+#: What `--harness` takes: the scripted agents, or a real agent CLI against a fake model.
+HARNESSES = ("scripted", "claude_code", "codex")
 
 TARGET = {
     "question": "Where should it deploy?",
@@ -46,17 +56,50 @@ def _tool(command: str, output: str) -> dict[str, Any]:
     return {"tool": "Bash", "input": {"command": command}, "output": output}
 
 
+#: A check made once the scenario is over: what it checks, and whether it holds.
+Effect = tuple[str, Callable[[], bool]]
+
+
 @dataclass
 class Case:
     """One thread of the scenario: its script, how the person answers, what must come out."""
 
     thread: str
-    steps: list[dict[str, Any]]
+    steps: list[dict[str, Any]]  # a scripted agent's steps (empty for a real agent)
     answers: list[dict[str, Any]]  # one item per prompt, in order
-    expect: list[str]  # substrings of agent output lines, each exactly once
+    # substrings of agent output lines, each exactly once; a tuple: one of them, once in all
+    expect: list[str | tuple[str, ...]]
     victim: bool = False  # asked to be on the replica that gets killed
     prompts: int = 0
     notes: list[str] = field(default_factory=list)
+    message: str = "Please go ahead."  # the person's first message
+    config: dict[str, Any] | None = None  # a real agent's harness config (None: scripted)
+    work_folder: str = ""
+    effects: list[Effect] = field(default_factory=list)  # what must hold afterwards
+
+
+class Rig:
+    """What a harness brings to the scenario: the scripted agents here, the real agent CLIs in
+    `workers.demo_agents`."""
+
+    harness = "scripted"
+    label = "scripted agents"  # the agents, in words
+    patience = 30.0  # seconds to wait for one agent step (a real CLI starts slowly)
+    session_key: str | None = None  # the harness state's key naming the agent session, if any
+    session_word = ""  # that session, in words: "Claude session", "Codex thread"
+
+    def __init__(self) -> None:
+        self.env: dict[str, str] = {}  # extra environment for the fleet's processes
+
+    def cases(self, tag: str) -> list[Case]:
+        return _cases(tag)
+
+    def evidence(self, case: Case, doomed: bool) -> list[str]:
+        """What else is wrong with the thread, seen from outside the broker (the model's side)."""
+        return []
+
+    def close(self) -> None:
+        pass
 
 
 def _text(t: str) -> dict[str, Any]:
@@ -158,9 +201,11 @@ def _check(case: Case, items: list[Item], prompts: dict[str, Prompt]) -> list[st
     problems: list[str] = []
     outputs = [i.text for i in items if i.type == "agent_output"]
     for expected in case.expect:
-        n = sum(1 for line in outputs if expected in line)
+        either = (expected,) if isinstance(expected, str) else expected
+        n = sum(1 for line in outputs if any(e in line for e in either))
         if n != 1:
-            problems.append(f"output {expected!r} seen {n} times")
+            shown = repr(expected) if isinstance(expected, str) else " or ".join(map(repr, either))
+            problems.append(f"output {shown} seen {n} times")
     asked = [i.metadata["prompt"]["prompt_id"] for i in items if i.type == "pending_prompt"]
     resolved = Counter(
         i.metadata["prompt"]["prompt_id"] for i in items if i.type == "pending_prompt_resolved"
@@ -173,65 +218,128 @@ def _check(case: Case, items: list[Item], prompts: dict[str, Prompt]) -> list[st
             problems.append(f"{prompt_id} is {p.state}, delivered={p.delivered_at is not None}")
     if len(asked) != len(case.answers):
         problems.append(f"{len(asked)} prompts asked, {len(case.answers)} expected")
+    for end in (i for i in items if i.type == "turn_end"):
+        if end.metadata.get("status") != "completed":
+            problems.append(f"a turn ended {end.metadata.get('status')}: {end.text}")
     return problems
 
 
+def _rig(harness: str) -> Rig:
+    if harness == "scripted":
+        return Rig()
+    if harness not in HARNESSES:
+        raise ValueError(f"no demo for {harness!r} (have: {', '.join(HARNESSES)})")
+    from workers.demo_agents import agent_rig
+
+    return agent_rig(harness)
+
+
 async def run_demo(
-    settings: Settings, workers: int = 3, *, embedded: bool = True, logs: Path | None = None
+    settings: Settings,
+    workers: int = 3,
+    *,
+    embedded: bool = True,
+    logs: Path | None = None,
+    harness: str = "scripted",
 ) -> bool:
-    """Run the scenario on a fresh local fleet; print transcripts and a verdict; True if OK."""
+    """Run the scenario on a fresh local fleet; print transcripts and a verdict; True if OK.
+
+    `harness`: `scripted` (the default), or `claude_code` / `codex` for the real agent CLIs
+    against a fake model (`workers.demo_agents`; `missing_cli` says what to install first).
+    """
     workers = max(workers, 2)  # one is killed: the others adopt
     tag = "demo-" + str(ULID())[-6:].lower()
-    settings = settings.model_copy(
-        update={
-            "lease_ttl": 3.0,
-            "adopt_interval": 0.2,
-            "sweep_interval": 2.0,
-            "key_prefix": settings.key_prefix if embedded else f"pbdemo{tag[5:]}",
-        }
-    )
-    fleet = Fleet(settings, workers, log_dir=logs, restart=False)
-    print(f"demo: starting {workers} replicas and the audit worker...", flush=True)
-    await fleet.start(embedded=embedded)
-    await fleet.ready()
-    where = fleet.embedded.kind if fleet.embedded else fleet.url
-    print(f"demo: on {where}", flush=True)
-    started = time.monotonic()
+    update: dict[str, Any] = {
+        "lease_ttl": 3.0,
+        "adopt_interval": 0.2,
+        "sweep_interval": 2.0,
+        "key_prefix": settings.key_prefix if embedded else f"pbdemo{tag[5:]}",
+    }
+    if harness != "scripted":  # the kill must find real agents waiting in place
+        update |= {"wait_mode": "held", "held_waits_max": max(settings.held_waits_max, 8)}
+    settings = settings.model_copy(update=update)
+    rig = _rig(harness)
     try:
-        async with Broker.from_url(fleet.url, settings) as b:
-            return await _scenario(b, fleet, tag, started)
+        fleet = Fleet(settings, workers, log_dir=logs, env=rig.env, restart=False)
+        started = 0.0
+        print(f"demo: starting {workers} replicas and the audit worker...", flush=True)
+        try:
+            await fleet.start(embedded=embedded)
+            await fleet.ready()
+            where = fleet.embedded.kind if fleet.embedded else fleet.url
+            print(f"demo: on {where}", flush=True)
+            started = time.monotonic()
+            async with Broker.from_url(fleet.url, settings) as b:
+                return await _scenario(b, fleet, rig, tag, started)
+        except TimeoutError as e:
+            elapsed = time.monotonic() - started if started else 0.0
+            hint = "" if logs else " (--logs DIR keeps each process's log)"
+            print(f"demo: FAILED: {e} ({elapsed:.1f} s){hint}", flush=True)
+            return False
+        finally:
+            await fleet.stop()
     finally:
-        await fleet.stop()
+        rig.close()
 
 
-async def _scenario(b: Broker, fleet: Fleet, tag: str, started: float) -> bool:
-    cases = _cases(tag)
+async def _scenario(b: Broker, fleet: Fleet, rig: Rig, tag: str, started: float) -> bool:
+    cases = rig.cases(tag)
+    patience = rig.patience
     for case in cases:
-        script = {"script": {"turns": [{"steps": case.steps}]}}
-        await b.sessions.create(case.thread, "scripted", "approval", script)
-        await b.post_item(case.thread, _text("Please go ahead."))
+        config = case.config
+        if config is None:
+            config = {"script": {"turns": [{"steps": case.steps}]}}
+        await b.sessions.create(case.thread, rig.harness, "approval", config, case.work_folder)
+        await b.post_item(case.thread, _text(case.message))
     print(f"demo: {len(cases)} threads created; waiting for their agents to ask...", flush=True)
     for case in cases:
-        await _until(lambda c=case: _active(b, c.thread), 30, f"a prompt on {case.thread}")
+        await _until(lambda c=case: _active(b, c.thread), patience, f"a prompt on {case.thread}")
     owner = {c.thread: await _owner(b, c.thread) for c in cases}
+    agent = {c.thread: await _agent_session(b, c.thread, rig.session_key) for c in cases}
     # The victim: the replica holding the most of the threads meant for adoption.
     victim = Counter(owner[c.thread] for c in cases if c.victim).most_common(1)[0][0]
     doomed = [c for c in cases if owner[c.thread] == victim]
+    proc = fleet.replica(victim).proc
+    children = _descendants(proc.pid) if proc is not None else []
     print(
         f"demo: killing {victim} (SIGKILL) while it holds {len(doomed)} waiting threads", flush=True
     )
     fleet.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
     # Answer everything now: the victim's threads while it is dead and before anyone adopted them.
-    await asyncio.gather(*(_answer_next(b, c) for c in cases))
+    await asyncio.gather(*(_answer_next(b, c, patience) for c in cases))
     for case in cases:
-        await _until(lambda c=case: _settled(b, c), 30, f"{case.thread} to finish its turn")
+        await _until(lambda c=case: _settled(b, c), 2 * patience, f"{case.thread} to finish")
     adopted_after = time.monotonic() - killed_at
     for case in cases:
         await _until(lambda c=case: _audited(b, c.thread), 20, f"{case.thread}'s audit items")
-    problems = {c.thread: p for c in cases if (p := await _report(b, c, victim, c in doomed))}
-    total = sum(len(c.answers) for c in cases)
+    problems: dict[str, list[str]] = {}
+    for c in cases:
+        found = await _report(b, rig, c, victim=victim, doomed=c in doomed, agent=agent[c.thread])
+        if found:
+            problems[c.thread] = found
+    outlived = await _outlived(children)
+    if outlived:
+        problems[victim] = [
+            f"{len(outlived)} of its child processes (agent CLIs) outlived it: pids {outlived}, "
+            "killed now"
+        ]
+    elif children:
+        print(f"\ndemo: the {len(children)} processes under {victim} (its agent CLIs) died with it")
     elapsed = time.monotonic() - started
+    return _verdict(rig, cases, problems, victim, len(doomed), adopted_after, elapsed)
+
+
+def _verdict(  # noqa: PLR0917 - the scenario's numbers
+    rig: Rig,
+    cases: list[Case],
+    problems: dict[str, list[str]],
+    victim: str,
+    doomed: int,
+    adopted_after: float,
+    elapsed: float,
+) -> bool:
+    """Print the problems and the one-line verdict; True when there were none."""
     print()
     for thread, found in problems.items():
         for problem in found:
@@ -240,10 +348,13 @@ async def _scenario(b: Broker, fleet: Fleet, tag: str, started: float) -> bool:
         n = sum(map(len, problems.values()))
         print(f"demo: FAILED: {n} problems in {len(problems)} threads ({elapsed:.1f} s)")
         return False
+    total = sum(len(c.answers) for c in cases)
+    on = "" if rig.harness == "scripted" else f" on {rig.label}"
+    same = f" (each in the same {rig.session_word})" if rig.session_key else ""
     print(
-        f"demo: OK: {len(cases)} threads, {total} prompts, each answered, delivered and audited "
-        f"exactly once; {victim} was killed holding {len(doomed)} waits, which were adopted and "
-        f"resumed elsewhere within {adopted_after:.1f} s ({elapsed:.1f} s in all)"
+        f"demo: OK: {len(cases)} threads{on}, {total} prompts, each answered, delivered and "
+        f"audited exactly once; {victim} was killed holding {doomed} waits, which were "
+        f"adopted and resumed elsewhere{same} within {adopted_after:.1f} s ({elapsed:.1f} s in all)"
     )
     return True
 
@@ -253,8 +364,19 @@ async def _owner(b: Broker, thread: str) -> str:
     return session.owner if session else ""
 
 
-async def _report(b: Broker, case: Case, victim: str, doomed: bool) -> list[str]:
-    """Print the thread's transcript; return what is wrong with it."""
+async def _agent_session(b: Broker, thread: str, key: str | None) -> str | None:
+    """The agent session the thread's harness state names (its Claude session, Codex thread)."""
+    if key is None:
+        return None
+    session = await b.sessions.get(thread)
+    value = (session.state or {}).get(key) if session is not None else None
+    return value if isinstance(value, str) else None
+
+
+async def _report(
+    b: Broker, rig: Rig, case: Case, *, victim: str, doomed: bool, agent: str | None
+) -> list[str]:
+    """Print the thread's transcript and what was checked; return what is wrong with it."""
     items = await b.items(case.thread)
     prompts = {}
     for i in items:
@@ -265,7 +387,61 @@ async def _report(b: Broker, case: Case, victim: str, doomed: bool) -> list[str]
     owner = await _owner(b, case.thread)
     if doomed and owner == victim:
         found.append(f"still owned by the killed {victim}")
-    print(f"\n== {case.thread}  (held by {owner or 'nobody'})")
+    adopted = f"; adopted from the killed {victim}" if doomed else ""
+    print(f"\n== {case.thread}  (held by {owner or 'nobody'}{adopted})")
     for item in items:
         print(render_item(item))
+    checks: list[tuple[str, bool]] = [(what, holds()) for what, holds in case.effects]
+    if rig.session_key is not None:
+        after = await _agent_session(b, case.thread, rig.session_key)
+        same = agent is not None and after == agent
+        checks.append((f"the same {rig.session_word} throughout: {agent}", same))
+    for what, ok in checks:
+        print(f"  {'✓' if ok else '✗'} {what}")
+        if not ok:
+            found.append(f"not so: {what}")
+    found += rig.evidence(case, doomed)
     return found
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of process `pid` (Linux /proc; elsewhere none are found)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            try:
+                kids = [int(k) for k in children.read_text().split()]
+            except (OSError, ValueError):
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # an unreaped orphan (a zombie) is gone too
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+async def _outlived(pids: list[int], within: float = 15.0) -> list[int]:
+    """The processes of the killed replica (its agent CLIs) still running after `within`
+    seconds; they are killed, so the demo leaves nothing behind."""
+    left = [p for p in pids if _alive(p)]
+    for _ in range(int(within / 0.2)):
+        if not left:
+            break
+        await asyncio.sleep(0.2)
+        left = [p for p in left if _alive(p)]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return left

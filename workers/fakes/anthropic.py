@@ -32,7 +32,15 @@ from typing import Any
 Block = dict[str, Any]
 Reply = list[Block] | Callable[[list[dict[str, Any]]], list[Block]]
 
-__all__ = ["FakeAnthropic", "Script", "last_user_text", "text", "tool_results_in", "tool_use"]
+__all__ = [
+    "FakeAnthropic",
+    "Script",
+    "first_user_text",
+    "last_user_text",
+    "text",
+    "tool_results_in",
+    "tool_use",
+]
 
 _ids = itertools.count(1)
 
@@ -88,7 +96,8 @@ def last_user_text(messages: Sequence[Mapping[str, Any]]) -> str:
     return ""
 
 
-def _first_user_text(messages: Sequence[Mapping[str, Any]]) -> str:
+def first_user_text(messages: Sequence[Mapping[str, Any]]) -> str:
+    """The text blocks of the conversation's first user message, joined (where markers are)."""
     for message in messages:
         if message.get("role") == "user":
             return "\n".join(
@@ -105,7 +114,7 @@ class Script:
     closing: str = "All done."
 
     def reply(self, messages: list[dict[str, Any]]) -> list[Block]:
-        first = _first_user_text(messages)
+        first = first_user_text(messages)
         index = sum(1 for m in messages if m.get("role") == "assistant")
         found = [m for m in self.conversations if m in first]
         if not found:

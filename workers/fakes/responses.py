@@ -25,7 +25,7 @@ tool output: `done: <output>`. A user message with no directive is answered:
 - anything else: `noted: <the message>`.
 
 Every request is recorded in `FakeResponses.requests` (the parsed body's summary), for tests.
-Run it standalone with `python -m tests.fake_responses --port 0` (prints its base URL).
+Run it standalone with `python -m workers.fakes.responses --port 0` (prints its base URL).
 """
 
 from __future__ import annotations
