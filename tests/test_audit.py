@@ -12,13 +12,10 @@ from arq.connections import ArqRedis
 
 from broker import Broker, PromptCancelled
 from tests.conftest import BrokerFactory, ClientFactory
+from tests.helpers import text
 from workers import audit
 
 APPROVAL = {"question": "Run `rm -rf build`?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
-
-
-def text(t: str) -> dict[str, Any]:
-    return {"content": [{"type": "text", "text": t}]}
 
 
 def resolutions(items: list[Any], prompt_id: str) -> list[Any]:

@@ -16,6 +16,7 @@ from broker import (
     StaleAnswer,
 )
 from tests.conftest import BrokerFactory
+from tests.helpers import text
 
 APPROVAL = {"question": "Run `make deploy`?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
 TARGET = {
@@ -30,10 +31,6 @@ SECTIONS = {
     "multiSelect": True,
     "options": [{"label": "KPI cards"}, {"label": "Table"}, {"label": "Chart"}],
 }
-
-
-def text(t: str, **metadata: Any) -> dict[str, Any]:
-    return {"content": [{"type": "text", "text": t}], "metadata": metadata}
 
 
 async def stream_len(broker: Broker, thread: str) -> int:

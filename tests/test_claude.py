@@ -29,16 +29,8 @@ pytest.importorskip(
 
 from broker import Answer, BadItem, Broker, Item, PromptCancelled, PromptUnavailable
 from tests.conftest import BrokerFactory
-from tests.test_replica import (
-    Fleet,
-    Running,
-    _true,
-    of_type,
-    outputs,
-    session,
-    status_is,
-    until,
-)
+from tests.helpers import of_type, outputs, truthy, until
+from tests.test_replica import Fleet, Running, session, status_is
 from workers.claude import (
     PARKED_APPROVAL,
     ClaudeHarness,
@@ -159,7 +151,7 @@ def claude_children() -> list[int]:
 
 
 async def no_cli_left() -> None:
-    await until(lambda: _true(not claude_children()), "every Claude Code CLI to exit", within=SLOW)
+    await until(lambda: truthy(not claude_children()), "every Claude Code CLI to exit", within=SLOW)
 
 
 def say(words: str) -> dict[str, Any]:
@@ -404,7 +396,7 @@ async def test_stopped_replica_defers_a_question_and_another_replica_resumes_it(
     script: list[Reply] = [[text("One question first."), ask(DB)], [text("SQLite it is.")]]
     await new_thread(person, fake, "t1", marker="DEFER-ASK", replies=script, work=work)
     p = await until(lambda: person.active_prompt("t1"), "the question", within=SLOW)
-    await until(lambda: _true(r1.replica.held_count() == 1), "the held wait", within=SLOW)
+    await until(lambda: truthy(r1.replica.held_count() == 1), "the held wait", within=SLOW)
 
     await fleet.stop(r1)
     s = await status_is(person, "t1", "parked")
@@ -467,7 +459,7 @@ async def parked_approval(
     await new_thread(person, fake, "t1", marker="PARK-BASH", replies=script, work=work)
     s = await status_is(person, "t1", "parked")
     await until(
-        lambda: _true(len(fake.tool_uses("Bash")) == 2), "the retry to be deferred", within=SLOW
+        lambda: truthy(len(fake.tool_uses("Bash")) == 2), "the retry to be deferred", within=SLOW
     )
     s = await status_is(person, "t1", "parked")
     first, retry = fake.tool_uses("Bash")
@@ -541,7 +533,7 @@ async def test_crashed_replica_resumes_by_message_on_another_replica(
     script: list[Reply] = [[bash(command)], after, after]
     await new_thread(person, fake, "t1", marker="CRASH", replies=script, work=work)
     p = await until(lambda: person.active_prompt("t1"), "the approval prompt", within=SLOW)
-    await until(lambda: _true(r1.replica.held_count() == 1), "the held wait", within=SLOW)
+    await until(lambda: truthy(r1.replica.held_count() == 1), "the held wait", within=SLOW)
 
     assert claude_children()  # the held wait keeps its CLI running
     await crash(fleet, r1)

@@ -45,7 +45,9 @@ from broker import (
     Session,
     Settings,
 )
+from tests import helpers
 from tests.conftest import RedisServer, delete_prefix
+from tests.helpers import of_type, outputs, text, truthy
 from workers.codex import (
     APPROVAL_METHODS,
     COMMAND,
@@ -493,19 +495,8 @@ async def person(rig: Rig) -> Broker:
 
 
 async def until(check: Callable[[], Awaitable[T | None]], what: str, within: float = 30.0) -> T:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while True:
-        value = await check()
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-def text(words: str) -> dict[str, Any]:
-    return {"content": [{"type": "text", "text": words}]}
+    """`tests.helpers.until` with the longer default a real CLI needs."""
+    return await helpers.until(check, what, within)
 
 
 def structured(*answers: list[str]) -> dict[str, Any]:
@@ -513,14 +504,6 @@ def structured(*answers: list[str]) -> dict[str, Any]:
         "content": [{"type": "text", "text": "(structured)"}],
         "metadata": {"answers": [{"answer": a} for a in answers]},
     }
-
-
-def of_type(items: Sequence[Item], type_: str) -> list[Item]:
-    return [i for i in items if i.type == type_]
-
-
-def outputs(items: Sequence[Item]) -> list[str]:
-    return [i.text for i in of_type(items, "agent_output")]
 
 
 async def session(b: Broker, thread_id: str) -> Session:
@@ -813,7 +796,7 @@ async def test_command_approved_runs(rig: Rig, person: Broker) -> None:
     # session option
     assert [o.label for o in q.options] == ["Approve", "Deny"]
     assert not (work / "approved.txt").exists()
-    await until(lambda: _true(r.replica.held_count() == 1), "the held wait")
+    await until(lambda: truthy(r.replica.held_count() == 1), "the held wait")
 
     await person.post_item("t1", text("yes"))
     items = await turn_ends(person, "t1")
@@ -844,7 +827,7 @@ async def test_command_cancelled_when_the_run_ends(rig: Rig, person: Broker) -> 
     work = rig.root / "t1"
     await rig.thread("t1", f"run!: echo no > {work}/cancelled.txt", person)
     p = await active(person, "t1")
-    await until(lambda: _true(r.replica.held_count() == 1), "the held wait")
+    await until(lambda: truthy(r.replica.held_count() == 1), "the held wait")
     await person.cancel("t1", "run ended")
     await turn_ends(person, "t1")
     assert (await person.get_prompt("t1", p.prompt_id)).state == "cancelled"
@@ -1001,7 +984,7 @@ async def test_replica_killed_while_codex_waits(rig: Rig, person: Broker) -> Non
     cmd = f"echo resumed > {work}/resumed.txt"
     await rig.thread("t1", f"run!: {cmd}", person)
     p = await active(person, "t1")
-    await until(lambda: _true(a.replica.held_count() == 1), "the held wait")
+    await until(lambda: truthy(a.replica.held_count() == 1), "the held wait")
     (pid,) = a.wire.pids()
     await rig.crash(a)
     assert not _alive(pid), "the waiting Codex process outlived its replica"
@@ -1028,7 +1011,7 @@ async def test_replica_stopped_while_codex_waits(rig: Rig, person: Broker) -> No
     cmd = f"echo resumed > {work}/resumed.txt"
     await rig.thread("t1", f"run!: {cmd}", person)
     p = await active(person, "t1")
-    await until(lambda: _true(a.replica.held_count() == 1), "the held wait")
+    await until(lambda: truthy(a.replica.held_count() == 1), "the held wait")
     await rig.stop(a)
     assert a.wire.replies(COMMAND) == [{"decision": "cancel"}]
     s = await session(person, "t1")
@@ -1104,7 +1087,7 @@ async def test_replica_process_sigkilled_while_codex_waits(
         (codex_pid,) = await until(lambda: _children_named(replica_pid, "codex"), "codex")
         (home,) = await asyncio.to_thread(_homes_of, replica_pid)
         fleet.kill(owner)
-        await until(lambda: _true(not _alive(codex_pid)), "Codex to exit with its replica", 10)
+        await until(lambda: truthy(not _alive(codex_pid)), "Codex to exit with its replica", 10)
 
         async def adopted() -> Session | None:
             s = await session(person, "t1")
@@ -1131,10 +1114,6 @@ async def test_replica_process_sigkilled_while_codex_waits(
 
 
 # -- small helpers --------------------------------------------------------------------------------
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def _owner_is(b: Broker, thread_id: str, owner: str) -> bool:

@@ -30,7 +30,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker import Broker, Item, Prompt, Session, Settings
+from tests import helpers
 from tests.conftest import RedisServer
+from tests.helpers import outputs, text
 from workers.fleet import Fleet
 
 pytestmark = pytest.mark.real_redis
@@ -110,22 +112,8 @@ def server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
 
 async def until(check: Callable[[], Awaitable[T | None]], within: float, what: str) -> T:
     """Poll `check` until it returns something truthy; a Redis hiccup counts as not yet."""
-    deadline = time.monotonic() + within
-    last: BaseException | None = None
-    while True:
-        try:
-            result = await check()
-            if result:
-                return result
-        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
-            last = e
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within:.0f} s waiting for {what} ({last!r})")
-        await asyncio.sleep(0.05)
-
-
-def text(t: str) -> dict[str, Any]:
-    return {"content": [{"type": "text", "text": t}]}
+    redis_down = (RedisConnectionError, RedisTimeoutError, OSError)
+    return await helpers.until(check, what, within, tolerate=redis_down)
 
 
 def command(thread: str) -> str:
@@ -271,10 +259,6 @@ def deliveries(logs: Path, prompt_id: str) -> list[str]:
             or e.get("event") == "turn.resume"
         )
     ]
-
-
-def outputs(items: list[Item]) -> list[str]:
-    return [i.text for i in items if i.type == "agent_output"]
 
 
 def _item_problems(items: list[Item], thread: str, prompt_id: str, approve: bool) -> list[str]:

@@ -11,14 +11,11 @@ from redis.asyncio import Redis
 
 from broker import Broker, Settings
 from tests.conftest import RedisServer
+from tests.helpers import text
 
 pytestmark = pytest.mark.real_redis
 
 APPROVAL = {"question": "Deploy?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
-
-
-def text(t: str) -> dict[str, Any]:
-    return {"content": [{"type": "text", "text": t}]}
 
 
 @pytest.fixture

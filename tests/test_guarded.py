@@ -18,18 +18,8 @@ from redis.asyncio import Redis
 
 from broker import Answer, BadItem, Broker, Item, Kind, Question, Settings, map_text
 from tests.conftest import BrokerFactory, delete_prefix
-from tests.test_replica import (
-    FAST,
-    Fleet,
-    active,
-    of_type,
-    outputs,
-    script,
-    session,
-    status_is,
-    text,
-    turn_ends,
-)
+from tests.helpers import of_type, outputs, text
+from tests.test_replica import FAST, Fleet, active, script, session, status_is, turn_ends
 from workers import policy
 from workers.cli import main
 from workers.harness import GateVerdict, Permissions, Turn

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -30,6 +29,7 @@ from broker import (
     verdict,
 )
 from tests.conftest import BrokerFactory
+from tests.helpers import of_type, outputs, stays, text, truthy, until
 from workers.harness import PromptParked, Resume, Turn, TurnResult, approval_question
 from workers.replica import Replica
 from workers.scripted import ScriptedHarness
@@ -41,46 +41,6 @@ T = TypeVar("T")
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-async def until(check: Callable[[], Awaitable[T | None]], what: str, within: float = 8.0) -> T:
-    """Poll `check` until it returns something truthy (returned), or fail after `within` s."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while True:
-        value = await check()
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-async def stays(check: Callable[[], Awaitable[bool]], what: str, duration: float) -> None:
-    """Poll `check` for `duration` seconds: it must hold every time (a negative check)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + duration
-    while loop.time() < deadline:
-        assert await check(), what
-        await asyncio.sleep(0.05)
-
-
-async def _true(value: bool) -> bool:
-    """`value`, awaitably: lets `until` poll an in-memory condition."""
-    return value
-
-
-def text(words: str) -> dict[str, Any]:
-    """A person's message."""
-    return {"content": [{"type": "text", "text": words}]}
-
-
-def of_type(items: Sequence[Item], type_: str) -> list[Item]:
-    return [i for i in items if i.type == type_]
-
-
-def outputs(items: Sequence[Item]) -> list[str]:
-    return [i.text for i in of_type(items, "agent_output")]
 
 
 def pick(question: str = "Pick one") -> dict[str, Any]:
@@ -249,7 +209,7 @@ async def test_held_wait_continues_in_the_same_turn(
     assert s.owner == "r1"
     assert s.status == "running"
     assert s.waiting is not None and s.waiting.prompt_id == p.prompt_id
-    await until(lambda: _true(r.replica.held_count() == 1), "the held wait")
+    await until(lambda: truthy(r.replica.held_count() == 1), "the held wait")
 
     routed = await person.post_item("t1", text("2"))
     assert routed.outcome == "answered" and routed.prompt_id == p.prompt_id
@@ -504,7 +464,7 @@ async def test_held_cap_demotes_the_oldest_to_parked(fleet: Fleet, person: Broke
     r = await fleet.start("r1", held_waits_max=1)
     await start_thread(person, "t1", ASK)
     p1 = await active(person, "t1")
-    await until(lambda: _true(r.replica.held_count() == 1), "t1 held")
+    await until(lambda: truthy(r.replica.held_count() == 1), "t1 held")
     await start_thread(person, "t2", ASK)
     p2 = await active(person, "t2")
 
@@ -614,7 +574,7 @@ async def test_clean_stop_parks_releases_and_another_replica_resumes(
     a = await fleet.start("ra", **slow)
     await start_thread(person, "t1", ASK)
     p = await active(person, "t1")
-    await until(lambda: _true(a.replica.held_count() == 1), "the held wait")
+    await until(lambda: truthy(a.replica.held_count() == 1), "the held wait")
 
     await fleet.stop(a)
     assert (await person.get_prompt("t1", p.prompt_id)).state == "pending"
@@ -655,7 +615,7 @@ async def test_demotion_during_delivery_loses_no_answer(fleet: Fleet, person: Br
     a = await fleet.start("ra")
     await start_thread(person, "t1", ASK)
     p = await active(person, "t1")
-    await until(lambda: _true(a.replica.held_count() == 1), "the held wait")
+    await until(lambda: truthy(a.replica.held_count() == 1), "the held wait")
 
     deliver = a.broker._deliver
 
@@ -722,7 +682,7 @@ async def test_stale_epoch_is_fenced(fleet: Fleet, person: Broker) -> None:
     a = await fleet.start("ra")
     await start_thread(person, "t1", ASK)
     p = await active(person, "t1")
-    await until(lambda: _true(a.replica.held_count() == 1), "the held wait")
+    await until(lambda: truthy(a.replica.held_count() == 1), "the held wait")
     old = (await session(person, "t1")).epoch
     assert a.replica.threads["t1"].epoch == old
 
@@ -758,7 +718,7 @@ async def test_stale_epoch_is_fenced(fleet: Fleet, person: Broker) -> None:
     await person.post_item("t1", text("1"))
     with pytest.raises(Fenced):
         await person.wait("t1", p.prompt_id, timeout=5, epoch=old)
-    await until(lambda: _true("t1" not in a.replica.threads), "ra to drop t1")
+    await until(lambda: truthy("t1" not in a.replica.threads), "ra to drop t1")
     assert (await person.get_prompt("t1", p.prompt_id)).delivered_at is None
     # the new holder delivers
     answers = await person.wait("t1", p.prompt_id, timeout=5, epoch=new)
@@ -795,7 +755,7 @@ async def test_lost_lease_is_dropped_and_written_no_more(fleet: Fleet, person: B
     a = await fleet.start("ra")
     await start_thread(person, "t1", ASK)
     p = await active(person, "t1")
-    await until(lambda: _true(a.replica.held_count() == 1), "the held wait")
+    await until(lambda: truthy(a.replica.held_count() == 1), "the held wait")
     key = person.thread("t1").session
 
     async def steal() -> tuple[int, int] | None:
@@ -804,7 +764,7 @@ async def test_lost_lease_is_dropped_and_written_no_more(fleet: Fleet, person: B
         return await person.sessions.claim("t1", "rb", 30_000)
 
     await until(steal, "rb's claim")
-    await until(lambda: _true("t1" not in a.replica.threads), "ra's heartbeat to drop t1")
+    await until(lambda: truthy("t1" not in a.replica.threads), "ra's heartbeat to drop t1")
     assert a.replica.held_count() == 0
     snapshot = await person.redis.hgetall(key)  # type: ignore[misc]
     assert snapshot["owner"] == "rb"

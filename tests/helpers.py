@@ -1,0 +1,69 @@
+"""Small helpers the tests share: polling with a deadline, and building and reading items."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from broker import Item
+
+T = TypeVar("T")
+
+
+async def until(
+    check: Callable[[], Awaitable[T | None]],
+    what: str,
+    within: float = 8.0,
+    *,
+    tolerate: tuple[type[BaseException], ...] = (),
+) -> T:
+    """Poll `check` until it returns something truthy (returned), or fail after `within` s.
+
+    Errors of the `tolerate` types (a Redis that is restarting) count as "not yet".
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    last: BaseException | None = None
+    while True:
+        try:
+            value = await check()
+            if value:
+                return value
+        except tolerate as e:
+            last = e
+        if loop.time() > deadline:
+            why = f" ({last!r})" if last is not None else ""
+            raise AssertionError(f"timed out after {within}s waiting for {what}{why}")
+        await asyncio.sleep(0.02)
+
+
+async def stays(check: Callable[[], Awaitable[bool]], what: str, duration: float) -> None:
+    """Poll `check` for `duration` seconds: it must hold every time (a negative check)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + duration
+    while loop.time() < deadline:
+        assert await check(), what
+        await asyncio.sleep(0.05)
+
+
+async def truthy(value: bool) -> bool:
+    """`value`, awaitably: lets `until` poll an in-memory condition."""
+    return value
+
+
+def text(words: str, **metadata: Any) -> dict[str, Any]:
+    """A person's message (with `metadata`, if any)."""
+    item: dict[str, Any] = {"content": [{"type": "text", "text": words}]}
+    if metadata:
+        item["metadata"] = metadata
+    return item
+
+
+def of_type(items: Sequence[Item], type_: str) -> list[Item]:
+    return [i for i in items if i.type == type_]
+
+
+def outputs(items: Sequence[Item]) -> list[str]:
+    """The agent's output lines, in order."""
+    return [i.text for i in of_type(items, "agent_output")]
