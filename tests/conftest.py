@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import fakeredis
 import pytest
@@ -229,3 +230,23 @@ async def make_broker(
 @pytest.fixture
 async def broker(make_broker: BrokerFactory) -> Broker:
     return await make_broker()
+
+
+@pytest.fixture
+async def fleet(make_broker: BrokerFactory) -> AsyncIterator[Any]:
+    """In-process replicas for this test (`tests.test_replica.Fleet`), all stopped after it."""
+    from tests.test_replica import Fleet
+
+    f = Fleet(make_broker)
+    try:
+        yield f
+    finally:
+        await f.aclose()
+
+
+@pytest.fixture
+async def person(make_broker: BrokerFactory) -> Broker:
+    """The test's own Broker: creates threads, answers as a person, inspects records."""
+    from tests.test_replica import FAST
+
+    return await make_broker(**FAST)

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import os
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,6 @@ pytest.importorskip(
 )
 
 from broker import Answer, BadItem, Broker, Item, PromptCancelled, PromptUnavailable
-from tests.conftest import BrokerFactory
 from tests.helpers import of_type, outputs, truthy, until
 from tests.test_replica import Fleet, Running, session, status_is
 from workers.claude import (
@@ -77,20 +76,6 @@ def fake() -> Any:
         yield server
     finally:
         server.stop()
-
-
-@pytest.fixture
-async def fleet(make_broker: BrokerFactory) -> AsyncIterator[Fleet]:
-    f = Fleet(make_broker)
-    try:
-        yield f
-    finally:
-        await f.aclose()
-
-
-@pytest.fixture
-async def person(make_broker: BrokerFactory) -> Broker:
-    return await make_broker(lease_ttl=1.0, adopt_interval=0.05, sweep_interval=0.5)
 
 
 @pytest.fixture

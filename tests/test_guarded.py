@@ -8,7 +8,7 @@ tests/test_policy.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,14 @@ from redis.asyncio import Redis
 from broker import Answer, BadItem, Broker, Item, Kind, Question, Settings, map_text
 from tests.conftest import BrokerFactory, delete_prefix
 from tests.helpers import of_type, outputs, text
-from tests.test_replica import FAST, Fleet, active, script, session, status_is, turn_ends
+from tests.test_replica import (
+    Fleet,
+    active,
+    script,
+    session,
+    status_is,
+    turn_ends,
+)
 from workers import policy
 from workers.cli import main
 from workers.harness import GateVerdict, Permissions, Turn
@@ -35,21 +42,6 @@ POLICY: dict[str, Any] = {
         {"id": "deploys", "effect": "exec", "action": "ask", "command": ["make deploy*"]},
     ],
 }
-
-
-@pytest.fixture
-async def fleet(make_broker: BrokerFactory) -> AsyncIterator[Fleet]:
-    f = Fleet(make_broker)
-    try:
-        yield f
-    finally:
-        await f.aclose()
-
-
-@pytest.fixture
-async def person(make_broker: BrokerFactory) -> Broker:
-    """The test's own Broker: creates threads, answers as a person, inspects records."""
-    return await make_broker(**FAST)
 
 
 def bash(command: str, output: str = "") -> dict[str, Any]:

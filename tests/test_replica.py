@@ -134,21 +134,6 @@ class Fleet:
         return [t for t in self.turns if t.thread_id == thread_id]
 
 
-@pytest.fixture
-async def fleet(make_broker: BrokerFactory) -> Any:
-    f = Fleet(make_broker)
-    try:
-        yield f
-    finally:
-        await f.aclose()
-
-
-@pytest.fixture
-async def person(make_broker: BrokerFactory) -> Broker:
-    """The test's own Broker: creates threads, answers as a person, inspects records."""
-    return await make_broker(**FAST)
-
-
 async def start_thread(
     b: Broker, thread_id: str, config: dict[str, Any], permissions: str = "approval"
 ) -> None:
