@@ -24,10 +24,7 @@ import math
 import multiprocessing
 import platform
 import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -37,6 +34,7 @@ from typing import Any, TypeVar
 
 import orjson
 import redis
+from private_redis import free_port, private_redis
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 from redis.utils import HIREDIS_AVAILABLE
@@ -74,50 +72,6 @@ MEMORY_TARGET_BYTES = 1536
 
 
 # -- a private redis-server ----------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def private_redis(exe: str, port: int, config: list[str]) -> Iterator[str]:
-    """Start our own redis-server (no RDB, no AOF), yield its URL, stop it by its pid.
-
-    `config` holds extra "name value" directives, for what-if runs."""
-    with tempfile.TemporaryDirectory(prefix="bench-broker-") as tmp:
-        args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", tmp, "--save", ""]
-        args += ["--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"]
-        for directive in config:
-            name, _, value = directive.strip().partition(" ")
-            args += [f"--{name}", *value.split()]
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            _wait_ready(port, proc)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-
-
-def _wait_ready(port: int, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"redis-server on port {port} exited with {proc.returncode}")
-        try:
-            with redis.Redis(port=port, socket_timeout=0.5) as probe:
-                probe.ping()
-            return
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    raise RuntimeError(f"redis-server on port {port} did not start")
 
 
 def _client(url: str) -> Redis:
@@ -941,7 +895,7 @@ async def run(args: argparse.Namespace, url: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    with private_redis(args.redis_server, args.port or _free_port(), args.redis_config) as url:
+    with private_redis(args.redis_server, args.port or free_port(), args.redis_config) as url:
         asyncio.run(run(args, url))
     print(f"\ndone in {time.perf_counter() - started:.1f} s")
     return 0

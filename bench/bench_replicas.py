@@ -32,20 +32,20 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import orjson
 import redis
+from private_redis import free_port, private_redis
 from redis.asyncio import Redis
 
 from broker import Broker, Keys, Settings
@@ -89,12 +89,6 @@ def verdict(met: bool) -> str:
     return "MET" if met else "NOT MET"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _client(url: str, name: str = BENCH_NAME) -> Redis:
     """A client whose every connection is named `name` (CLIENT SETNAME): told apart from the
     replica's in CLIENT LIST."""
@@ -116,39 +110,6 @@ def load_average() -> str:
 
 
 # -- a private redis-server ----------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def private_redis(exe: str, port: int) -> Iterator[str]:
-    """Start our own redis-server (no RDB, no AOF), yield its URL, stop it by its pid."""
-    with tempfile.TemporaryDirectory(prefix="bench-replicas-redis-") as tmp:
-        args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", tmp, "--save", ""]
-        args += ["--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"]
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            _wait_ready(port, proc)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-
-
-def _wait_ready(port: int, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"redis-server on port {port} exited with {proc.returncode}")
-        try:
-            with redis.Redis(port=port, socket_timeout=0.5) as probe:
-                probe.ping()
-            return
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    raise RuntimeError(f"redis-server on port {port} did not start")
 
 
 # -- replica processes ---------------------------------------------------------------------------
@@ -914,7 +875,7 @@ async def _adopt_and_footprint(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    port = args.port or _free_port()
+    port = args.port or free_port()
     with contextlib.ExitStack() as stack:
         if args.logs is not None:
             args.logs.mkdir(parents=True, exist_ok=True)
