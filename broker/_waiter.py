@@ -120,14 +120,9 @@ class Waiter:
             self._forget(prompt_id, fut)
             self._release(channel)
 
-    async def listen(self, thread_id: str, channel: str, listener: Listener) -> None:
-        """Call `listener` with every message on the thread's channel until `unlisten`."""
-        self._listeners.setdefault(channel, []).append(listener)
-        self._hold(channel, thread_id)
-        await self.subscribe(channel, thread_id)
-
     async def listen_many(self, listeners: list[tuple[str, str, Listener]]) -> None:
-        """`listen` for many `(thread_id, channel, listener)` at once, in one SUBSCRIBE."""
+        """Call each `listener` with every message on its `(thread_id, channel)` until
+        `unlisten`; the new channels are subscribed in one SUBSCRIBE."""
         for thread_id, channel, listener in listeners:
             self._listeners.setdefault(channel, []).append(listener)
             self._hold(channel, thread_id)

@@ -347,15 +347,12 @@ class Broker:
         Every step is idempotent (a second mark keeps the first time; the audit job is one per
         prompt), so after a dropped connection one more try is safe.
         """
-        member = self.keys.member(tk.thread_id, prompt_id)
         for attempt in (1, 2):
             pipe = self.redis.pipeline(transaction=False)
             self._scripts.queue(
                 pipe, "deliver", [tk.prompt(prompt_id), tk.session], [_epoch(epoch), prompt_id]
             )
-            pipe.zrem(self.keys.open, member)
-            pipe.zadd(self.keys.audit, {member: ULID().milliseconds})
-            self._queue_audit_job(pipe, tk.thread_id, prompt_id)
+            self._queue_resolved(pipe, tk.thread_id, prompt_id)
             try:
                 (status, value), *_ = await self._scripts.run_pipeline(self.redis, pipe)
                 break
@@ -376,6 +373,13 @@ class Broker:
                 "first": status == "delivered",
             },
         )
+
+    def _queue_resolved(self, pipe: Any, thread_id: str, prompt_id: str) -> None:
+        """Index a resolution: no longer open, its audit item unposted and its job enqueued."""
+        member = self.keys.member(thread_id, prompt_id)
+        pipe.zrem(self.keys.open, member)
+        pipe.zadd(self.keys.audit, {member: ULID().milliseconds})
+        self._queue_audit_job(pipe, thread_id, prompt_id)
 
     def _queue_audit_job(self, pipe: Any, thread_id: str, prompt_id: str) -> None:
         """arq's enqueue_job, as one script in `pipe`: one job per prompt, whoever enqueues."""
@@ -421,8 +425,7 @@ class Broker:
         """Call `listener(channel, message)` for every bell on the thread (resolutions, queued
         items, and `{"resubscribed": true}` after a dropped pub/sub connection came back: a
         listener that hears that may have missed bells, so it re-reads)."""
-        self._check_open()
-        await self._waiter.listen(thread_id, self.thread(thread_id).wake, listener)
+        await self.listen_many({thread_id: listener})
 
     async def listen_many(self, listeners: Mapping[str, Callable[[str, Wake], None]]) -> None:
         """`listen` on many threads at once (`thread_id -> listener`), in one SUBSCRIBE."""
@@ -568,11 +571,8 @@ class Broker:
         return await self.get_prompt(thread_id, value)
 
     async def _after_cancel(self, thread_id: str, prompt_id: str) -> None:
-        member = self.keys.member(thread_id, prompt_id)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.zrem(self.keys.open, member)
-        pipe.zadd(self.keys.audit, {member: ULID().milliseconds})
-        self._queue_audit_job(pipe, thread_id, prompt_id)
+        self._queue_resolved(pipe, thread_id, prompt_id)
         await self._scripts.run_pipeline(self.redis, pipe)
 
     # -- reading -----------------------------------------------------------------------------

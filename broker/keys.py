@@ -125,11 +125,6 @@ class Keys:
         return f"{self.prefix}:audit:queue"
 
     @property
-    def wake_pattern(self) -> str:
-        """Matches every thread's wake channel (for tools that watch the whole broker)."""
-        return f"{self.prefix}:{{*}}:wake"
-
-    @property
     def prompt_pattern(self) -> str:
         """Matches every prompt record (the index-rebuilding sweep scans it)."""
         return f"{self.prefix}:{{*}}:prompt:*"
