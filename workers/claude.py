@@ -955,6 +955,12 @@ class ClaudeHarness:
         folder.mkdir(parents=True, exist_ok=True)
         return folder
 
+    async def describe_interruption(
+        self, thread_id: str, state: dict[str, Any] | None, store: AgentStore | None
+    ) -> str:
+        """Nothing is recorded per call yet, so nothing is known of one in flight."""
+        return ""
+
     async def run_turn(self, turn: Turn) -> TurnResult:
         try:
             config = parse_config(turn.config)

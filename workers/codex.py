@@ -77,7 +77,7 @@ from urllib.parse import urlparse
 
 from broker import Answer, BadItem, Kind, Option, PromptCancelled, PromptUnavailable, Question
 from broker.answers import is_affirmative
-from workers.harness import GateVerdict, PromptParked, Turn, TurnResult
+from workers.harness import AgentStore, GateVerdict, PromptParked, Turn, TurnResult
 
 logger = logging.getLogger("workers.codex")
 
@@ -1094,6 +1094,12 @@ class CodexHarness:
         self.features = tuple(features)
         self.trace = trace
         self._swept = False
+
+    async def describe_interruption(
+        self, thread_id: str, state: dict[str, Any] | None, store: AgentStore | None
+    ) -> str:
+        """Nothing is recorded per call yet, so nothing is known of one in flight."""
+        return ""
 
     async def run_turn(self, turn: Turn) -> TurnResult:
         try:

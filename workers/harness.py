@@ -29,6 +29,7 @@ __all__ = [
     "Gate",
     "GateVerdict",
     "Harness",
+    "Interruption",
     "Permissions",
     "PromptHandle",
     "PromptParked",
@@ -112,6 +113,24 @@ class Resume:
     text: str = ""  # the person's reply as they typed it (their words for a denial), if typed
 
 
+@dataclass(frozen=True)
+class Interruption:
+    """The session's previous turn was cut off before it ended (its replica died, was paused past
+    its lease, or lost Redis). Nothing of it is replayed: the next turn carries this instead, and
+    the harness tells its agent what is known before it hands over the turn's input.
+
+    `delivered` is the answer that turn had been handed (its resume, or the last held answer), if
+    any: the agent already acted on it, and it is never handed over again. `note` is what the
+    harness found of the call that was in flight, in words fit for the agent and the person (from
+    `Harness.describe_interruption`): "ran, exit code N" when its result was recorded before the
+    crash, else "interrupted; it may or may not have taken effect; check before running it
+    again". Never "aborted" or "failed" for a call that may have run.
+    """
+
+    delivered: Resume | None = None
+    note: str = ""
+
+
 @dataclass
 class Turn:
     """One turn of an agent session."""
@@ -127,6 +146,7 @@ class Turn:
     work_folder: str = ""
     gate: Gate | None = None  # set only under `guarded`
     store: AgentStore | None = None
+    interrupted: Interruption | None = None  # the previous turn was cut off; tell the agent first
 
 
 @dataclass
@@ -143,6 +163,21 @@ class Harness(Protocol):
     name: str
 
     async def run_turn(self, turn: Turn) -> TurnResult: ...
+
+    async def describe_interruption(
+        self, thread_id: str, state: dict[str, Any] | None, store: AgentStore | None
+    ) -> str:
+        """What is known of the call that was in flight when this session's turn was cut off.
+
+        Called by the replica that finds the turn cut off (an adopter, or the same replica once
+        Redis returns), before it posts the thread item that tells the person and before the
+        next turn. `state` is the session's last stored state; `store` holds what the harness
+        recorded as the turn went (tool results are recorded as they arrive). Returns one
+        sentence: "`<call>` ran, exit code N" / "`<call>` was interrupted; it may or may not
+        have taken effect; check before running it again" / "" when no call was in flight.
+        Must not raise for missing or partial data: say what is not known instead.
+        """
+        ...
 
 
 def _detail(tool_input: dict[str, Any]) -> str:

@@ -87,7 +87,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from broker import LIMITS, Answer, BadItem, PromptCancelled, PromptUnavailable, Question, verdict
 from broker.answers import NEGATIVE
-from workers.harness import PromptParked, Resume, Turn, TurnResult, approval_question
+from workers.harness import AgentStore, PromptParked, Resume, Turn, TurnResult, approval_question
 from workers.policy import refusal
 
 __all__ = [
@@ -537,6 +537,12 @@ class ScriptedHarness:
     """A coding agent that follows a JSON script (see the module docstring)."""
 
     name = "scripted"
+
+    async def describe_interruption(
+        self, thread_id: str, state: dict[str, Any] | None, store: AgentStore | None
+    ) -> str:
+        """Nothing is recorded per call yet, so nothing is known of one in flight."""
+        return ""
 
     async def run_turn(self, turn: Turn) -> TurnResult:
         try:
