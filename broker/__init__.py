@@ -15,6 +15,8 @@ from broker.errors import (
     PromptNotFound,
     PromptUnavailable,
     StaleAnswer,
+    ThreadClosed,
+    ThreadNotFound,
 )
 from broker.keys import Keys
 from broker.models import Answer, Item, Kind, Option, Prompt, PromptState, Question, Routed
@@ -46,6 +48,8 @@ __all__ = [
     "Sessions",
     "Settings",
     "StaleAnswer",
+    "ThreadClosed",
+    "ThreadNotFound",
     "Waiting",
     "map_text",
     "render_content",

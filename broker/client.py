@@ -31,6 +31,8 @@ from broker.errors import (
     PromptNotFound,
     PromptUnavailable,
     StaleAnswer,
+    ThreadClosed,
+    ThreadNotFound,
 )
 from broker.keys import Keys, ThreadKeys, check_prompt_id
 from broker.models import KINDS, Answer, Item, Kind, Prompt, Question, Routed
@@ -445,6 +447,7 @@ class Broker:
         item: Mapping[str, Any] | BaseModel,
         *,
         epoch: int | None = None,
+        create: bool = True,
     ) -> Routed:
         """Add an item to the thread and route it, atomically: it answers the active prompt, or
         is queued for the next turn, or (naming a prompt that is not active) raises
@@ -452,6 +455,9 @@ class Broker:
 
         Items whose author is the broker's identity are only added (`outcome="posted"`). With
         `epoch`, the post is fenced to that lease: a replica that lost the thread posts nothing.
+        With `create=False`, a thread that does not exist yet (no items, no session) raises
+        `ThreadNotFound` instead of being started. A closed thread raises `ThreadClosed`.
+        Neither writes anything; both are decided in the same atomic step as the post.
         """
         self._check_open()
         tk = self.thread(thread_id)
@@ -471,6 +477,7 @@ class Broker:
             tk.base,
             tk.wake,
             _epoch(epoch),
+            "1" if create else "0",
         ]
         try:
             reply = await self._scripts.call(self.redis, "route", keys, args)
@@ -479,6 +486,10 @@ class Broker:
         status, *rest = reply
         if status == "fenced":
             raise Fenced(thread_id, epoch or 0, int(rest[0]) if rest[0] else None)
+        if status == "closed":
+            raise ThreadClosed(thread_id)
+        if status == "notfound":
+            raise ThreadNotFound(thread_id)
         if status == "stale":
             state, active = rest
             raise StaleAnswer(thread_id, p.named, state, active or None)
@@ -532,6 +543,15 @@ class Broker:
             if h.get("answer_item") == item_id:
                 return ["answered", item_id, prompt_id, h["answers"], h["source"], ""]
         return ["queued", item_id]
+
+    async def thread_exists(self, thread_id: str) -> bool:
+        """True once the thread has items or an agent session (a closed thread still exists)."""
+        self._check_open()
+        tk = self.thread(thread_id)
+        try:
+            return bool(await self.redis.exists(tk.items, tk.session))
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            raise BrokerUnavailable("checking the thread", e, False) from e
 
     # -- cancelling --------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@
     ├── PromptCancelled      the prompt was cancelled (superseded, run ended): carries the reason
     ├── StaleAnswer          an answer named a prompt that is not the thread's active one
     ├── PromptNotFound       no such prompt on that thread
+    ├── ThreadNotFound       no such thread (nothing was ever posted to it, no session)
+    ├── ThreadClosed         the thread was closed: it takes no more items
     ├── Fenced               the caller's lease epoch moved on (another replica holds it)
     ├── BrokerUnavailable    Redis could not be reached; says whether the call took effect
     └── BrokerClosed         the broker was used after it was closed
@@ -25,6 +27,8 @@ __all__ = [
     "PromptNotFound",
     "PromptUnavailable",
     "StaleAnswer",
+    "ThreadClosed",
+    "ThreadNotFound",
 ]
 
 
@@ -92,6 +96,25 @@ class PromptNotFound(BrokerError, LookupError):
         self.thread_id = thread_id
         self.prompt_id = prompt_id
         super().__init__(f"no prompt {prompt_id} on thread {thread_id}")
+
+
+class ThreadNotFound(BrokerError, LookupError):
+    """No thread with that id exists: it has no items and no agent session. Nothing was written."""
+
+    def __init__(self, thread_id: str) -> None:
+        self.thread_id = thread_id
+        super().__init__(
+            f"no thread {thread_id} (nothing was ever posted to it and it has no session); "
+            "post with create=True to start it"
+        )
+
+
+class ThreadClosed(BrokerError):
+    """The thread was closed: it takes no more items, and nothing was written."""
+
+    def __init__(self, thread_id: str) -> None:
+        self.thread_id = thread_id
+        super().__init__(f"thread {thread_id} is closed: it takes no more items")
 
 
 class Fenced(BrokerError):

@@ -10,6 +10,7 @@
 --         usable content (no non-empty text block and no file block)
 -- ARGV[10] the thread's key base   ARGV[11] wake channel
 -- ARGV[12] lease epoch, or '' when the poster holds none (people, surfaces)
+-- ARGV[13] '1' to start the thread if it does not exist yet, '0' to refuse instead
 --
 -- Returns one of
 --   {'posted', item id}                      a 'self' item, on the thread only
@@ -18,6 +19,8 @@
 --   {'stale', state, active prompt id or ''} it named another prompt: nothing written
 --   {'bad', why}                             nothing usable to answer with: nothing written
 --   {'fenced', current epoch}                a replica that lost the thread: nothing written
+--   {'closed'}                               the thread's session is closed: nothing written
+--   {'notfound'}                             no such thread and ARGV[13] is '0': nothing written
 --
 -- Text mapping is `map_prepared` of broker/answers.py, ported line for line (a property test
 -- holds them equal); Python did the Unicode work (trim, case-fold, split, numbers) beforehand.
@@ -83,6 +86,11 @@ end
 
 local current = fenced(KEYS[4], ARGV[12])
 if current then return {'fenced', current} end
+
+-- Decided here, not in Python, so a close landing between a check and the post cannot let an
+-- item through. A thread exists once it has items or a session record.
+if redis.call('HGET', KEYS[4], 'status') == 'closed' then return {'closed'} end
+if ARGV[13] == '0' and redis.call('EXISTS', KEYS[1], KEYS[4]) == 0 then return {'notfound'} end
 
 if ARGV[5] == 'self' then
   add_item()
