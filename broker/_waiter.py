@@ -5,6 +5,12 @@ and the bell only rings: every wait subscribes first, then reads the record, the
 every (re)subscription the reader re-reads every prompt waited on that channel; and a slow sweep
 re-reads them all. A message that carries the committed state (the script that commits it
 publishes it) resolves the wait with no read at all.
+
+Never deaf: the connection is made and SUBSCRIBE sent by a task of the waiter's own, which a
+caller's cancellation (a timeout, a lost turn) cannot interrupt halfway; a PubSub is installed only
+once it is connected; any failure of the reader, of whatever kind, is a disconnect (drop the
+connection, back off, resubscribe every channel, re-read every wait); and the sweep is a task of
+its own, so it re-reads whatever state the reader is in.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +27,6 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 logger = logging.getLogger("broker.waiter")
 
@@ -36,6 +41,8 @@ Listener = Callable[[str, Wake], None]
 
 _EXPECT_MAX = 10_000
 _BACKOFF = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
+#: Seconds one read of the pub/sub connection blocks before the reader looks around again.
+_READ_FOR = 5.0
 
 
 @dataclass
@@ -44,7 +51,10 @@ class _Channel:
     waits: int = 0  # open waits and listeners holding it subscribed
     requested: bool = False  # SUBSCRIBE sent on the current connection
     confirmed: asyncio.Event = field(default_factory=asyncio.Event)
-    generation: int = 0  # how many times the server confirmed it: bumps on resubscription
+    # The waiter-wide count of confirmations at this channel's latest one. Waiter-wide, not per
+    # channel: a channel dropped as idle and made again must never repeat a number, or a prompt
+    # noted under the old subscription would skip its read under the new one.
+    generation: int = 0
     idle_since: float = 0.0
 
 
@@ -56,7 +66,7 @@ class _Wait:
 
 
 class Waiter:
-    """Owns the Broker's pub/sub connection and the reader task."""
+    """Owns the Broker's pub/sub connection, the reader task and the sweep task."""
 
     def __init__(self, redis: Redis, read: Reader, sweep_interval: float) -> None:
         self._redis = redis
@@ -67,10 +77,13 @@ class Waiter:
         self._listeners: dict[str, list[Listener]] = {}
         self._expected: dict[str, tuple[str, int, Wake | None]] = {}
         self._pubsub: PubSub | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | None = None  # the reader
+        self._sweeper: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()  # subscriptions in flight
         self._changed = asyncio.Event()
         self._connect_lock = asyncio.Lock()
         self._closed = False
+        self._confirmations = 0
         self.reconnects = 0
 
     # -- public ----------------------------------------------------------------------------
@@ -78,22 +91,28 @@ class Waiter:
     async def subscribe(self, channel: str, thread_id: str) -> int:
         """Subscribe to a channel (if needed) and wait for the server's confirmation.
 
-        Returns the channel's confirmation count. Every (re)subscription bumps it, so a caller
-        that subscribed before something existed and later sees the same count missed nothing.
+        Returns the channel's confirmation number. Every (re)subscription gives it a new one, so
+        a caller that subscribed before something existed and later sees the same number missed
+        nothing. Raises Redis's connection errors when the SUBSCRIBE itself could not be sent.
         """
         self._hold(channel, thread_id)  # the sweep drops only channels nobody holds
         try:
             ch = self._channels[channel]
             if not ch.requested:
-                ch.requested = True
-                await self._send_subscribe([channel])
+                try:
+                    await self._send_subscribe([channel])
+                except (RedisError, OSError):
+                    # The connection it went out on was already broken (and is dropped now):
+                    # once more, on a new one. Failing again, Redis is unreachable.
+                    if not ch.requested:
+                        await self._send_subscribe([channel])
             await ch.confirmed.wait()
             return ch.generation
         finally:
             self._release(channel)
 
     def expect(self, prompt_id: str, channel: str, generation: int) -> None:
-        """Note a prompt created while `channel` was confirmed `generation` times.
+        """Note a prompt created while `channel` held confirmation number `generation`.
 
         Until it is waited on, a resolution heard for it is kept; and if the channel was not
         resubscribed since, its wait needs no read: nothing published can have been missed.
@@ -114,6 +133,7 @@ class Waiter:
             if heard is not None:
                 return heard
             if expected_generation != generation:
+                # The bell may have rung before we listened: the record says.
                 await self._reread([(thread_id, prompt_id)])
             return await fut
         finally:
@@ -143,6 +163,7 @@ class Waiter:
     def _hold(self, channel: str, thread_id: str) -> None:
         self._channels.setdefault(channel, _Channel(thread_id))
         self._channels[channel].waits += 1
+        self._start()
 
     def _release(self, channel: str) -> None:
         ch = self._channels.get(channel)
@@ -150,39 +171,82 @@ class Waiter:
             ch.waits -= 1
             ch.idle_since = asyncio.get_running_loop().time()
 
+    def _start(self) -> None:
+        """Run the reader and the sweep (again, should either ever have ended)."""
+        if self._closed:
+            return
+        if self._task is None or self._task.done():
+            self._task = self._spawn(self._run(), "prompt-broker waiter")
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = self._spawn(self._sweep_forever(), "prompt-broker sweep")
+        self._changed.set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._finished)
+        return task
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        """Retrieve every background task's outcome, so none is left unretrieved in a log."""
+        self._background.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None and not isinstance(error, RedisError | OSError):
+            logger.error("waiter.task_failed", exc_info=error, extra={"task": task.get_name()})
+
     async def aclose(self) -> None:
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
-                await self._task
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for w in self._waits.values():
             for fut in w.futures:
                 if not fut.done():
                     fut.cancel()
-        await self._drop_connection()
+        async with self._connect_lock:
+            await self._drop_connection_locked()
 
     # -- connection -------------------------------------------------------------------------
 
     async def _send_subscribe(self, channels: list[str]) -> None:
+        """SUBSCRIBE, in a task of the waiter's own: a caller cancelled while it is in flight
+        stops waiting for it, but never leaves a connection half made."""
+        task = self._spawn(self._subscribe_now(channels), "prompt-broker subscribe")
+        await asyncio.shield(task)
+
+    async def _subscribe_now(self, channels: list[str]) -> None:
         async with self._connect_lock:
-            if self._pubsub is None:
-                self._pubsub = self._redis.pubsub()
-                channels = list(self._channels)
+            if self._closed:
+                raise RedisConnectionError("the waiter is closed")
+            ps = self._pubsub
+            if ps is None:
+                ps = self._redis.pubsub()
+                channels = list(self._channels)  # a new connection: everything, again
             for c in channels:
-                self._channels[c].requested = True
+                if c in self._channels:
+                    self._channels[c].requested = True
             try:
-                await self._pubsub.subscribe(*channels)
-            except (RedisError, OSError):
+                if channels:
+                    await ps.subscribe(*channels)
+                if ps.connection is None:
+                    raise RedisConnectionError("the pub/sub connection was not made")
+            except BaseException:
+                if ps is not self._pubsub:
+                    await _close(ps)
                 await self._drop_connection_locked()
                 raise
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(), name="prompt-broker waiter")
-        self._changed.set()
+            if self._pubsub is None:
+                self._pubsub = ps  # installed only once connected
+        self._start()
 
-    async def _drop_connection(self) -> None:
+    async def _drop_connection(self, only: PubSub) -> None:
+        """Drop the connection if it is still `only` (the one that failed), not a newer one."""
         async with self._connect_lock:
-            await self._drop_connection_locked()
+            if self._pubsub is only:
+                await self._drop_connection_locked()
 
     async def _drop_connection_locked(self) -> None:
         ps, self._pubsub = self._pubsub, None
@@ -190,51 +254,45 @@ class Waiter:
             ch.confirmed.clear()
             ch.requested = False
         if ps is not None:
-            with contextlib.suppress(RedisError, OSError):
-                await ps.aclose()  # type: ignore[no-untyped-call]
+            await _close(ps)
 
     # -- the reader -------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        """Read the bells. Any failure at all is a disconnect: the connection is dropped and
+        made again, and every channel resubscribed (each confirmation re-reads its waits)."""
         failures = 0
-        loop = asyncio.get_running_loop()
-        next_sweep = loop.time() + self._sweep_interval
         while not self._closed:
+            ps = self._pubsub
             try:
-                if self._pubsub is None:
+                if ps is None:
                     if not self._channels:
                         self._changed.clear()
                         await self._changed.wait()
                         continue
-                    await self._send_subscribe(list(self._channels))
-                msg = await self._pubsub.get_message(  # type: ignore[union-attr]
-                    ignore_subscribe_messages=False,
-                    timeout=max(0.0, next_sweep - loop.time()),
-                )
-                failures = 0
+                    await self._subscribe_now(list(self._channels))
+                    continue
+                msg = await ps.get_message(ignore_subscribe_messages=False, timeout=_READ_FOR)
                 if msg is not None:
                     await self._handle(msg)
-                if loop.time() >= next_sweep:
-                    next_sweep = loop.time() + self._sweep_interval
-                    await self._sweep()
+                failures = 0
             except asyncio.CancelledError:
                 raise
-            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            except Exception as e:
                 delay = _BACKOFF[min(failures, len(_BACKOFF) - 1)]
                 failures += 1
                 self.reconnects += 1
                 logger.warning("waiter.disconnected", extra={"error": repr(e), "retry_in": delay})
-                await self._drop_connection()
+                if ps is not None:
+                    await self._drop_connection(ps)
                 await asyncio.sleep(delay)
-            except Exception:
-                logger.exception("waiter.error")
-                await asyncio.sleep(0.1)
 
     async def _handle(self, msg: dict[str, Any]) -> None:
         kind, channel = msg["type"], msg["channel"]
         ch = self._channels.get(channel)
         if kind == "subscribe" and ch is not None:
-            ch.generation += 1
+            self._confirmations += 1
+            ch.generation = self._confirmations
             ch.confirmed.set()
             # Anything on this channel may have been missed while it was not subscribed.
             await self._reread(
@@ -278,19 +336,37 @@ class Waiter:
         for wake in (await self._read(pairs)).values():
             self._resolve(wake)
 
+    # -- the sweep --------------------------------------------------------------------------
+
+    async def _sweep_forever(self) -> None:
+        """The slow safety net, on its own task: whatever the reader is doing (reading,
+        backing off, stuck on a dead socket), every waited prompt is re-read each interval."""
+        while not self._closed:
+            await asyncio.sleep(self._sweep_interval)
+            try:
+                await self._sweep()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.warning("waiter.sweep_failed", extra={"error": repr(e)})
+
     async def _sweep(self) -> None:
         """Re-read every waited prompt; drop channels nobody has needed for a while."""
         await self._reread([(w.thread_id, pid) for pid, w in self._waits.items()])
         now = asyncio.get_running_loop().time()
-        idle = [
-            c
-            for c, ch in self._channels.items()
-            if ch.waits <= 0 and now - ch.idle_since > self._sweep_interval
-        ]
-        if idle and self._pubsub is not None:
+        async with self._connect_lock:
+            idle = [
+                c
+                for c, ch in self._channels.items()
+                if ch.waits <= 0 and now - ch.idle_since > self._sweep_interval
+            ]
             for c in idle:
                 del self._channels[c]
-            await self._pubsub.unsubscribe(*idle)
+            if idle and self._pubsub is not None:
+                try:
+                    await self._pubsub.unsubscribe(*idle)
+                except (RedisError, OSError):
+                    await self._drop_connection_locked()  # the reader makes a new one
 
     def _forget(self, prompt_id: str, fut: asyncio.Future[Wake]) -> None:
         w = self._waits.get(prompt_id)
@@ -300,3 +376,8 @@ class Waiter:
             w.futures.remove(fut)
         if not w.futures:
             del self._waits[prompt_id]
+
+
+async def _close(ps: PubSub) -> None:
+    with contextlib.suppress(RedisError, OSError, RuntimeError):
+        await ps.aclose()  # type: ignore[no-untyped-call]

@@ -71,6 +71,10 @@ _SUBSCRIBE_FOR_ASK = 2.0
 _DELIVERY_RETRIES = (0, 0.1, 0.5, 1, 2, 5, 10, 20, 30)
 
 
+#: What "Redis could not be reached" looks like from redis-py (and the OS under it).
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{ULID()}"
 
@@ -258,8 +262,8 @@ class Broker:
         try:
             async with asyncio.timeout(_SUBSCRIBE_FOR_ASK):
                 return await self._waiter.subscribe(tk.wake, tk.thread_id)
-        except TimeoutError:
-            return None
+        except (TimeoutError, RedisError, OSError):
+            return None  # the ask itself says whether Redis can be reached
 
     async def _ask_outcome_unknown(
         self, tk: ThreadKeys, prompt_id: str, error: BaseException
@@ -303,8 +307,15 @@ class Broker:
         self._check_open()
         tk = self.thread(thread_id)
         check_prompt_id(prompt_id)
-        async with asyncio.timeout(timeout):
-            wake = await self._waiter.wait(thread_id, prompt_id, tk.wake)
+        try:
+            async with asyncio.timeout(timeout):
+                wake = await self._waiter.wait(thread_id, prompt_id, tk.wake)
+        except TimeoutError:
+            raise  # the builtin one is an OSError: the caller's timeout, not an outage
+        except _UNREACHABLE as e:
+            # Only the start of a wait can fail so: once subscribed, the waiter rides out
+            # outages on its own and the wait goes on.
+            raise BrokerUnavailable("waiting for the answer", e, False) from e
         if wake["state"] == "missing":
             raise PromptNotFound(thread_id, prompt_id)
         if wake["state"] == "cancelled":

@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from redis.asyncio import Redis
 
 from broker import (
     BadItem,
@@ -13,9 +14,10 @@ from broker import (
     BrokerClosed,
     PromptCancelled,
     PromptNotFound,
+    Settings,
     StaleAnswer,
 )
-from tests.conftest import BrokerFactory
+from tests.conftest import BrokerFactory, delete_prefix
 from tests.helpers import text
 
 APPROVAL = {"question": "Run `make deploy`?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
@@ -352,17 +354,34 @@ async def test_cancel_with_nothing_active_is_noop(broker: Broker) -> None:
     assert await stream_len(broker, "t") == 0
 
 
-async def test_many_waits_share_one_pubsub_connection(broker: Broker) -> None:
-    """A hundred waits on a hundred threads use the Broker's one pub/sub connection."""
-    prompts = [await broker.ask(f"t{i}", "approval", [APPROVAL]) for i in range(100)]
-    waits = [
-        asyncio.create_task(broker.wait(p.thread_id, p.prompt_id, timeout=10)) for p in prompts
-    ]
-    await asyncio.sleep(0.1)
-    assert broker._waiter._pubsub is not None
-    for p in prompts:
-        await broker.post_item(p.thread_id, text("yes"))
-    assert all(a[0].answer == ["Approve"] for a in await asyncio.gather(*waits))
+async def test_many_waits_share_one_pubsub_connection(real_redis_url: str, prefix: str) -> None:
+    """A hundred waits on a hundred threads use the Broker's one pub/sub connection: the server's
+    CLIENT LIST, filtered to this Broker's own client name, shows exactly one."""
+    name = f"pb-one-pubsub-{prefix}"
+    client = Redis.from_url(real_redis_url, decode_responses=True, client_name=name)
+    broker = Broker(client, Settings(key_prefix=prefix), owns_client=True)
+    admin = Redis.from_url(real_redis_url, decode_responses=True)
+
+    async def pubsub_connections() -> int:
+        return sum(1 for c in await admin.client_list(_type="pubsub") if c.get("name") == name)
+
+    try:
+        prompts = [await broker.ask(f"t{i}", "approval", [APPROVAL]) for i in range(100)]
+        waits = [
+            asyncio.create_task(broker.wait(p.thread_id, p.prompt_id, timeout=10)) for p in prompts
+        ]
+        await asyncio.sleep(0.1)
+        assert await pubsub_connections() == 1
+        [(_, subscribed)] = await admin.pubsub_numsub(broker.thread("t99").wake)
+        assert subscribed == 1
+        for p in prompts:
+            await broker.post_item(p.thread_id, text("yes"))
+        assert all(a[0].answer == ["Approve"] for a in await asyncio.gather(*waits))
+        assert await pubsub_connections() == 1
+    finally:
+        await delete_prefix(admin, prefix)
+        await admin.aclose()
+        await broker.aclose()
 
 
 async def test_closed_broker_refuses(broker: Broker) -> None:

@@ -25,7 +25,9 @@ async def server(redis_server_factory: Callable[..., RedisServer]) -> RedisServe
 
 @pytest.fixture
 async def brokers(server: RedisServer) -> AsyncIterator[tuple[Broker, Broker]]:
-    settings = Settings(key_prefix="pp", sweep_interval=1.0)
+    # The sweep an hour away: what these tests name (the re-read after a resubscription) is the
+    # only thing that can pass them.
+    settings = Settings(key_prefix="pp", sweep_interval=3600.0)
     agent = Broker(Redis.from_url(server.url, decode_responses=True), settings, owns_client=True)
     surface = Broker(Redis.from_url(server.url, decode_responses=True), settings, owns_client=True)
     yield agent, surface
@@ -77,6 +79,9 @@ async def test_answers_while_pubsub_down_are_not_lost(
     await asyncio.gather(*(surface.post_item(thread, text("no")) for thread, _ in waits))
     results = await asyncio.wait_for(asyncio.gather(*(w for _, w in waits)), 10)
     assert all(r[0].answer == ["Deny"] for r in results)
+    assert (
+        len(await agent.redis.client_list(_type="pubsub")) == 1
+    )  # the agent's; the surface only posts
 
 
 async def test_redis_restart_keeps_open_prompts(
