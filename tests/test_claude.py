@@ -12,10 +12,12 @@ The pure parts (answer shapes, config, the transcript store) are tested without 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
-from collections.abc import Callable
+import signal
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,7 @@ from workers.claude import (
     parse_config,
     updated_input,
 )
+from workers.claude_launch import descendants
 from workers.fakes.anthropic import (
     FakeAnthropic,
     Reply,
@@ -47,6 +50,7 @@ from workers.fakes.anthropic import (
     tool_results_in,
     tool_use,
 )
+from workers.fleet import Fleet as ProcessFleet
 from workers.harness import GateVerdict, Turn, TurnResult
 
 pytestmark = [
@@ -120,18 +124,16 @@ def content(path: Path) -> str:
 
 
 def claude_children() -> list[int]:
-    """The Claude Code CLI processes this test process started and that are still running."""
+    """The Claude Code CLIs (and their supervisors) this test process started, still running."""
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in descendants(os.getpid()):
         try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            exe = Path(f"/proc/{entry}/exe").resolve().name
+            exe = Path(f"/proc/{pid}/exe").resolve().name
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z" and exe == "claude":
-            found.append(int(entry))
+        if exe == "claude" or b"claude_launch.py" in cmdline:
+            found.append(pid)
     return found
 
 
@@ -843,3 +845,81 @@ def test_quiet_env_is_the_four_quieting_variables() -> None:
         "DISABLE_AUTOUPDATER",
         "DISABLE_ERROR_REPORTING",
     }
+
+
+# -- real replica processes: the CLI dies with its replica ---------------------------------------
+
+
+def started_under(root: Path) -> dict[int, str]:
+    """Live processes (pid -> name) whose environment points into `root`: the supervisor, the
+    CLI and every command it ran inherit the run's scratch HOME, wherever they were re-parented."""
+    found = {}
+    needle = str(root).encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        name, state = (
+            stat[stat.index("(") + 1 : stat.rindex(")")],
+            stat.rsplit(")", 1)[1].split()[0],
+        )
+        if state != "Z" and any(v.startswith(b"HOME=" + needle) for v in environ.split(b"\0")):
+            found[int(entry)] = name
+    return found
+
+
+@contextlib.asynccontextmanager
+async def process_fleet(
+    person: Broker, real_redis_url: str, tmp_path: Path, workers: int = 1
+) -> AsyncIterator[tuple[ProcessFleet, Path]]:
+    """Real replica processes (`python -m workers.cli worker`, the default harnesses) on the
+    test's Redis and key prefix, lease TTL 2 s; the Claude scratch root under `tmp_path`."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    settings = person.settings.model_copy(
+        update={
+            "redis_url": real_redis_url,
+            "lease_ttl": 2.0,
+            "adopt_interval": 0.1,
+            "sweep_interval": 1.0,
+        }
+    )
+    logs = tmp_path / "logs"
+    fleet = ProcessFleet(
+        settings, workers=workers, env={"TMPDIR": str(tmp)}, restart=False, log_dir=logs
+    )
+    try:
+        await fleet.start()
+        await fleet.ready()
+        yield fleet, tmp / "prompt-broker-claude"
+    except BaseException:
+        for log in sorted(logs.glob("*.log")):
+            print(f"===== {log.name}\n{log.read_text(errors='replace')[-6000:]}")
+        raise
+    finally:
+        await fleet.stop()
+
+
+async def test_sigkilled_replica_takes_its_cli_and_the_command_with_it(
+    person: Broker, fake: FakeAnthropic, real_redis_url: str, tmp_path: Path, work: Path
+) -> None:
+    """A real replica process runs a real Claude Code turn whose Bash command is still running
+    (in a session of its own, as Claude Code starts every command); SIGKILL the replica: one
+    second later no process it started is alive (the supervisor's parent-death signal)."""
+    marker = work / "marker"
+    async with process_fleet(person, real_redis_url, tmp_path) as (fleet, root):
+        script: list[Reply] = [[bash(f"echo RAN >> {marker}; sleep 30")], [text("Done.")]]
+        await new_thread(
+            person, fake, "t1", marker="KILL-9", replies=script, work=work, permissions="autonomous"
+        )
+        await until(lambda: truthy(marker.exists()), "the command to start", within=SLOW)
+        before = started_under(root)
+        assert "claude" in before.values() and "sleep" in before.values(), before
+        fleet.kill("replica-1", signal.SIGKILL)
+        await asyncio.sleep(1.0)
+        assert started_under(root) == {}
+    assert content(marker) == "RAN\n"

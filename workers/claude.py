@@ -96,10 +96,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import re
+import shlex
 import shutil
+import sys
 import tempfile
 import warnings
 from collections import deque
@@ -129,11 +132,14 @@ from claude_agent_sdk import (
     SystemMessage,
     TextBlock,
     ToolPermissionContext,
+    ToolResultBlock,
+    UserMessage,
 )
 
 from broker import Answer, BadItem, Option, PromptCancelled, PromptUnavailable, verdict
 from broker.answers import NEGATIVE, is_affirmative
 from broker.models import Question
+from workers import claude_calls, claude_launch
 from workers.harness import AgentStore, PromptParked, Turn, TurnResult, approval_question
 
 __all__ = [
@@ -175,6 +181,37 @@ QUIET_ENV = {
     "DISABLE_ERROR_REPORTING": "1",
 }
 _CONFIG_KEYS = ("base_url", "api_key", "model", "max_turns")
+#: Guarded mode's flag settings: a command hook that answers "ask" for every tool call, so that
+#: Claude Code's own engine allows nothing silently (reads, read-only shell commands) and every
+#: call reaches the permission callback, where the gate decides. A settings hook is loaded when
+#: the CLI starts, so unlike the SDK's in-process hook it also sees a call replayed on resume.
+ASK_EVERY_CALL = json.dumps(
+    {
+        "hooks": {
+            "PreToolUse": [
+                {
+                    "matcher": "*",
+                    "hooks": [
+                        {
+                            "type": "command",
+                            "command": "echo "
+                            + shlex.quote(
+                                json.dumps(
+                                    {
+                                        "hookSpecificOutput": {
+                                            "hookEventName": "PreToolUse",
+                                            "permissionDecision": "ask",
+                                        }
+                                    }
+                                )
+                            ),
+                        }
+                    ],
+                }
+            ]
+        }
+    }
+)
 
 
 # -- config --------------------------------------------------------------------------------------
@@ -505,6 +542,46 @@ class _Run:
         self.stderr: deque[str] = deque(maxlen=40)
         self.client: ClaudeSDKClient | None = None
         self.tmpdir: Path | None = None
+        self.logged: set[str] = set()  # calls in the call log this turn
+        self.logged_session: str | None = None
+
+    # -- the call log ----------------------------------------------------------------------
+
+    async def log(self, **record: Any) -> None:
+        """Append one record to the call log, awaited (so a crash right after it is known).
+        A store that fails loses the record, never the call: `describe` then says less."""
+        if self.turn.store is None:
+            return
+        try:
+            await self.turn.store.append(claude_calls.CALLS, [record])
+        except Exception:
+            logger.warning("claude.call_log_failed", extra={"thread_id": self.turn.thread_id})
+
+    async def log_call(self, call: str, tool: str, tool_input: object) -> None:
+        if call and call not in self.logged and tool != ASK_TOOL:
+            self.logged.add(call)
+            await self.log_session()
+            await self.log(e="call", id=call, tool=tool, detail=claude_calls.detail_of(tool_input))
+
+    async def log_step(self, call: str, event: str) -> None:
+        if call in self.logged:
+            await self.log(e=event, id=call)
+
+    async def log_session(self) -> None:
+        if self.session_id and self.session_id != self.logged_session:
+            self.logged_session = self.session_id
+            await self.log(e="session", sid=self.session_id)
+
+    async def log_results(self, message: UserMessage) -> None:
+        content = message.content if isinstance(message.content, list) else []
+        for block in content:
+            if isinstance(block, ToolResultBlock) and block.tool_use_id in self.logged:
+                raw = block.content
+                text = raw if isinstance(raw, str) else ""
+                if isinstance(raw, list):
+                    text = "\n".join(str(c.get("text", "")) for c in raw if isinstance(c, dict))
+                record = claude_calls.result_record(block.tool_use_id, block.is_error, text)
+                await self.log(**record)
 
     # -- state -----------------------------------------------------------------------------
 
@@ -557,6 +634,7 @@ class _Run:
 
     async def approval(self, tool: str, tool_input: dict[str, Any], call: str) -> PermissionResult:
         q = approval_question(tool, tool_input, agent=AGENT)
+        await self.log_step(call, "asking")
         try:
             answers = await self.ask("approval", [q], call, tool, q.grant_key)
         except PromptParked:
@@ -639,11 +717,17 @@ class _Run:
         self.activity.set()
         call = ctx.tool_use_id or ""
         try:
+            await self.log_call(call, tool, tool_input)  # the hook may not have fired (#993)
             if call in self.decided:
-                return self.decided.pop(call)
-            if self.answers_replay(call):
-                return await self.replay(tool, tool_input)
-            return await self.decide(tool, tool_input, call)
+                result = self.decided.pop(call)
+            elif self.answers_replay(call):
+                result = await self.replay(tool, tool_input)
+            else:
+                result = await self.decide(tool, tool_input, call)
+            # Recorded before the CLI hears it: an `allowed` call may run from here on.
+            allowed = isinstance(result, PermissionResultAllow)
+            await self.log_step(call, "allowed" if allowed else "refused")
+            return result
         except Exception as e:
             return self.fail(e)
 
@@ -668,13 +752,14 @@ class _Run:
         call = tool_use_id or str(raw.get("tool_use_id") or "")
         if not self.session_id and isinstance(raw.get("session_id"), str):
             self.session_id = raw["session_id"]
+        await self.log_call(call, str(raw.get("tool_name") or ""), raw.get("tool_input"))
         if self.answers_replay(call) or call in self.decided:
             # An answer exists (claude-agent-sdk-python #993: on resume this hook fires only
             # sometimes): never defer it again; the callback gives that answer.
             logger.info("claude.replay_hook", extra={"thread_id": self.turn.thread_id})
             return {}
         if self.parked is not None:
-            return self.defer(call)
+            return await self.defer(call)
         if raw.get("tool_name") != ASK_TOOL:
             return {}
         tool_input = raw.get("tool_input")
@@ -683,14 +768,15 @@ class _Run:
                 tool_input if isinstance(tool_input, dict) else {}, call
             )
         except PromptParked:
-            return self.defer(call)
+            return await self.defer(call)
         except Exception as e:
             self.decided[call] = self.fail(e)
         return {}
 
-    def defer(self, call: str) -> HookJSONOutput:
+    async def defer(self, call: str) -> HookJSONOutput:
         if self.pending is not None and self.pending.deferred is None:
             self.pending.deferred = call
+        await self.log_step(call, "deferred")  # it does not run now (maybe on resume)
         return {
             "hookSpecificOutput": {"hookEventName": "PreToolUse", "permissionDecision": "defer"}
         }
@@ -723,6 +809,10 @@ class _Run:
         autonomous = self.turn.permissions == "autonomous"
         if autonomous and hasattr(os, "geteuid") and os.geteuid() == 0:
             env["IS_SANDBOX"] = "1"  # bypassPermissions is refused as root otherwise
+        cli = self.h.launcher()
+        if cli is not None:
+            # Which process the supervisor must outlive: it exits at once if this one is gone.
+            env[claude_launch.PARENT_ENV] = str(os.getpid())
         for d in ("config", "home"):
             (scratch / d).mkdir(parents=True, exist_ok=True)
         return ClaudeAgentOptions(
@@ -731,6 +821,7 @@ class _Run:
             setting_sources=[],
             system_prompt={"type": "preset", "preset": "claude_code"},
             permission_mode="bypassPermissions" if autonomous else "default",
+            settings=ASK_EVERY_CALL if self.turn.permissions == "guarded" else None,
             can_use_tool=self.can_use_tool,
             hooks={
                 "PreToolUse": [
@@ -742,17 +833,23 @@ class _Run:
             resume=resume,
             session_store=cast(SessionStore, self.store) if self.store else None,
             session_store_flush="eager",
-            cli_path=self.h.cli_path,
+            cli_path=cli or self.h.cli_path,
             stderr=self.stderr.append,
         )
 
     def kill(self) -> None:
-        """SIGKILL the CLI: it writes nothing more (no aborted call reaches the transcript)."""
+        """SIGKILL the CLI and everything it started: it writes nothing more (no aborted call
+        reaches the transcript). Through the supervisor, which kills the whole tree; a SIGKILL
+        of the supervisor itself would leave the CLI's commands (each in a session of its own)
+        running."""
         transport = getattr(self.client, "_transport", None)
         process = getattr(transport, "_process", None)
         if process is not None and process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                process.kill()
+                if self.h.launcher() is not None:
+                    process.send_signal(claude_launch.KILL_TREE)
+                else:
+                    process.kill()
 
     async def next_result(
         self, messages: asyncio.Queue[Any], first: float | None = None
@@ -787,6 +884,9 @@ class _Run:
             sid = message.data.get("session_id")
             if isinstance(sid, str) and sid:
                 self.session_id = sid
+                await self.log_session()
+        elif isinstance(message, UserMessage):
+            await self.log_results(message)  # as each result arrives, not at the turn's end
         elif isinstance(message, AssistantMessage):
             for block in message.content:
                 if isinstance(block, TextBlock) and block.text.strip():
@@ -822,7 +922,8 @@ class _Run:
             if replay:
                 result = await self.next_result(messages, first=REPLAY_GRACE)
                 if self.told:
-                    prompts = []  # the replayed call's tool_result told the agent
+                    # the replayed call's tool_result told the agent; a cut-off turn still must
+                    prompts = [p for p in [claude_calls.preface(self.turn.interrupted)] if p]
             for prompt in prompts:
                 if self.parked is not None or self.fatal is not None:
                     break
@@ -881,19 +982,31 @@ class _Run:
             await asyncio.to_thread(shutil.rmtree, scratch, True)
             await asyncio.to_thread(shutil.rmtree, self.tmpdir, True)
 
+    def opening(self) -> str:
+        """The turn's first message: after a cut-off turn, what is known of it comes first."""
+        told = claude_calls.preface(self.turn.interrupted)
+        return f"{told}\n\n{self.turn.prompt}" if told else self.turn.prompt
+
     async def attempt(self, scratch: Path, cwd: Path) -> TurnResult:
+        if self.turn.interrupted is not None and self.session_id is None and self.turn.store:
+            # A first turn cut off before its state was stored: continue its own session.
+            with contextlib.suppress(Exception):
+                records = await self.turn.store.load(claude_calls.CALLS)
+                self.session_id = claude_calls.last_session(records)
+        await self.log(e="turn")
         replay = self.plan()
         resumed = self.session_id
+        first = self.opening()
         try:
             try:
-                result = await self.drive(scratch, cwd, resumed, [self.turn.prompt], replay)
+                result = await self.drive(scratch, cwd, resumed, [first], replay)
             except ClaudeSDKError as e:
                 if resumed and "No conversation found" in f"{e} {' '.join(self.stderr)}":
                     await self.turn.emit(
                         "(the earlier Claude session could not be found; starting a new one)"
                     )
                     self.session_id, self.replayed = None, None
-                    result = await self.drive(scratch, cwd, None, [self.turn.prompt], False)
+                    result = await self.drive(scratch, cwd, None, [first], False)
                 else:
                     raise
         except ClaudeSDKError as e:
@@ -927,6 +1040,14 @@ class _Run:
         return f"Claude Code failed: {error}" + (f" ({tail})" if tail else "")
 
 
+def _bundled_cli() -> str | None:
+    """The CLI the SDK bundles (where the SDK itself looks first)."""
+    import claude_agent_sdk
+
+    path = Path(claude_agent_sdk.__file__).parent / "_bundled" / "claude"
+    return str(path) if path.is_file() else None
+
+
 class ClaudeHarness:
     """The real Claude Code CLI as an agent (see the module docstring)."""
 
@@ -941,6 +1062,7 @@ class ClaudeHarness:
             else Path(tempfile.gettempdir()) / "prompt-broker-claude"
         )
         self.cli_path = cli_path
+        self._launcher: str | None = None  # "" when there is none
 
     def scratch_dir(self) -> Path:
         runs = self.root / "runs"
@@ -955,11 +1077,47 @@ class ClaudeHarness:
         folder.mkdir(parents=True, exist_ok=True)
         return folder
 
+    def launcher(self) -> str | None:
+        """The supervised CLI (`workers.claude_launch`) as one executable, written once; None
+        off Linux or with no CLI found (the SDK then runs, or fails to find, the CLI itself)."""
+        if self._launcher is not None or not sys.platform.startswith("linux"):
+            return self._launcher or None
+        real = self.cli_path or _bundled_cli() or shutil.which("claude")
+        if real is None:
+            self._launcher = ""
+            return None
+        folder = self.root / "bin"
+        folder.mkdir(parents=True, exist_ok=True)
+        script = (
+            "#!/bin/sh\n"
+            f"exec {shlex.quote(sys.executable)} -I -S {shlex.quote(claude_launch.__file__)} "
+            f'{shlex.quote(real)} "$@"\n'
+        )
+        # Atomic: replicas sharing a scratch root may write it at the same time.
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".claude-")
+        with os.fdopen(fd, "w") as f:
+            f.write(script)
+        os.chmod(tmp, 0o755)
+        target = folder / "claude-supervised"
+        os.replace(tmp, target)
+        self._launcher = str(target)
+        return self._launcher
+
     async def describe_interruption(
         self, thread_id: str, state: dict[str, Any] | None, store: AgentStore | None
     ) -> str:
-        """Nothing is recorded per call yet, so nothing is known of one in flight."""
-        return ""
+        """What the call log says of the call in flight (`workers.claude_calls.describe`)."""
+        if store is None:
+            return ""
+        try:
+            records = await store.load(claude_calls.CALLS)
+        except Exception:
+            logger.warning("claude.call_log_unreadable", extra={"thread_id": thread_id})
+            return (
+                "what the call in flight had done could not be read; any call may or may not "
+                "have taken effect; check before running it again"
+            )
+        return claude_calls.describe(records)
 
     async def run_turn(self, turn: Turn) -> TurnResult:
         try:
