@@ -106,11 +106,12 @@ async def new_thread(
     replies: list[Reply],
     work: Path,
     permissions: str = "approval",
+    policy: dict[str, Any] | None = None,
 ) -> None:
     fake.script.conversations[marker] = replies
     config = {"base_url": fake.url, "api_key": "sk-ant-dummy-offline"}
     await person.sessions.create(
-        thread_id, "claude_code", permissions, config, work_folder=str(work)
+        thread_id, "claude_code", permissions, config, work_folder=str(work), policy=policy
     )
     await person.post_item(thread_id, {"content": [{"type": "text", "text": f"{marker}: go"}]})
 
@@ -729,6 +730,80 @@ async def test_guarded_gate_allows_denies_and_asks(
     assert got["text"] == "Denied by policy rule 'no-forbidden'" and got["is_error"] is True
     assert [c[:2] for c in gated.calls] == [("claude_code", "Bash")] * 3
     assert len(of_type(items, "pending_prompt")) == 1
+
+
+async def test_guarded_routes_read_only_calls_through_the_gate(
+    fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
+) -> None:
+    """Guarded: calls Claude Code's own engine allows silently (a Read inside the work folder, a
+    read-only `echo`) reach the gate too, so the worker's deny rules bind them: both are refused
+    naming the rule, each with a `policy_denied` item, and the file's text never reaches the
+    model; a call the rules allow still runs."""
+    notes = work / "notes.txt"
+    notes.write_text("the secret is XYZZY-7731\n")
+    worker = [
+        {"id": "w-no-read", "effect": "read", "action": "deny"},
+        {"id": "w-no-echo", "effect": "exec", "action": "deny", "command": ["echo *"]},
+    ]
+    await start(fleet, tmp_path, "r1", policy_rules=worker)
+    script: list[Reply] = [
+        [tool_use("Read", {"file_path": str(notes)}), bash("echo two"), bash("pwd")],
+        [text("Done.")],
+    ]
+    await new_thread(
+        person,
+        fake,
+        "t1",
+        marker="GUARD-READ",
+        replies=script,
+        work=work,
+        permissions="guarded",
+        policy={"default": "allow"},
+    )
+    items = await ended(person, "t1")
+    assert completed(items)
+    (read,) = fake.tool_uses("Read")
+    echo, pwd = fake.tool_uses("Bash")
+    got = result_of(fake, read["id"])
+    assert got["is_error"] is True and got["text"] == "Denied by policy rule 'w-no-read'"
+    got = result_of(fake, echo["id"])
+    assert got["is_error"] is True and got["text"] == "Denied by policy rule 'w-no-echo'"
+    assert str(work) in result_of(fake, pwd["id"])["text"]  # allowed: it ran
+    assert "XYZZY-7731" not in str([r.body for r in fake.main_requests()])
+    assert sorted(i.metadata["rule"] for i in of_type(items, "policy_denied")) == [
+        "w-no-echo",
+        "w-no-read",
+    ]
+    assert of_type(items, "pending_prompt") == []
+
+
+async def test_guarded_question_still_parks_by_deferral_and_resumes(
+    fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
+) -> None:
+    """Guarded's ask-every-call hook does not outvote the harness's deferral: a parked question
+    still pauses the session with the call pending, and the answer resumes it on another
+    replica as that call's tool_result."""
+    r1 = await start(fleet, tmp_path, "r1", wait_mode="parked")
+    script: list[Reply] = [[ask(DB)], [text("SQLite it is.")]]
+    await new_thread(
+        person,
+        fake,
+        "t1",
+        marker="GUARD-PARK",
+        replies=script,
+        work=work,
+        permissions="guarded",
+        policy={"default": "allow"},
+    )
+    s = await status_is(person, "t1", "parked")
+    (call,) = fake.tool_uses("AskUserQuestion")
+    assert s.state is not None and s.state["pending"]["deferred"] == call["id"]
+    await fleet.stop(r1)
+    await start(fleet, tmp_path, "r2")
+    await person.post_item("t1", say("SQLite"))
+    items = await ended(person, "t1")
+    assert completed(items)
+    assert '"Which database?"="SQLite"' in result_of(fake, call["id"])["text"]
 
 
 # -- the pure parts ------------------------------------------------------------------------------
