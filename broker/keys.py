@@ -8,10 +8,14 @@ With the default prefix `pp`:
   entry also carries `match`: what answer mapping needs (labels, case-folded labels).
 - `pp:{T}:prompt:<prompt_id>` (hash): one prompt. `kind`, `state`, `item`, `sid` (its entry in
   the stream, where its questions are), `created`; once resolved `answers` or `reason`,
-  `source`, `answer_item`, `text`, `resolved`; then `delivered` and `audit_item`.
+  `source`, `answer_item`, `text`, `resolved`; then `delivered` (and `delivery`, the token of the
+  attempt that handed it over: at most once), `granted` and `grant_item` (its one-shot grant was
+  minted, and spent by that item: each at most once, ever) and `audit_item`.
 - `pp:{T}:active` (string): the id of the thread's one active prompt: the lock.
 - `pp:{T}:inbox` (list): items (JSON) posted while no prompt was active.
-- `pp:{T}:session` (hash): the agent session driving the thread (owner, epoch, ...).
+- `pp:{T}:session` (hash): the agent session driving the thread (owner, epoch, status, `wait`:
+  the prompt its agent awaits, `delivered`: the prompt whose answer its running turn was handed,
+  `grant`, `interrupted`: a cut-off turn, for the next turn to tell, ...).
 - `pp:{T}:agent:<name>` (list): a harness's own session data (e.g. Claude Code transcripts).
 - `pp:{T}:wake` (channel): the doorbell: resolutions and queued items, as JSON.
 - `pp:open` (sorted set): `T/prompt_id` of open prompts by creation time (ms).

@@ -9,22 +9,35 @@ can no longer ask, deliver or post anything on it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import orjson
 from pydantic import BaseModel, ConfigDict
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from ulid import ULID
 
+from broker import _scripts
 from broker._codec import body, ms_datetime
-from broker.errors import BadItem, Fenced
+from broker.errors import BadItem, BrokerUnavailable, Fenced
 from broker.keys import check_thread_id
 
 if TYPE_CHECKING:
     from broker.client import Broker
 
-__all__ = ["Grant", "Permissions", "Session", "Sessions", "Status", "Waiting"]
+__all__ = [
+    "Grant",
+    "Handover",
+    "Permissions",
+    "Session",
+    "Sessions",
+    "Status",
+    "Waiting",
+    "delivery_token",
+]
 
 Permissions = Literal["approval", "autonomous", "guarded"]
 Status = Literal["idle", "running", "parked", "closed"]
@@ -71,6 +84,8 @@ class Session(BaseModel):
     grant_raw: str | None = None  # the grant exactly as stored: spending compares it
     error: str | None = None
     policy: dict[str, Any] | None = None  # guarded only: as given (`workers.policy` checks it)
+    delivered: str | None = None  # the prompt whose answer the running turn was handed, if any
+    interrupted: dict[str, Any] | None = None  # the last turn was cut off: for the next to tell
 
 
 class Candidates(NamedTuple):
@@ -101,6 +116,8 @@ def _session(thread_id: str, h: Mapping[str, str]) -> Session:
         grant_raw=h.get("grant"),
         error=h.get("error"),
         policy=orjson.loads(h["policy"]) if h.get("policy") else None,
+        delivered=h.get("delivered") or None,
+        interrupted=orjson.loads(h["interrupted"]) if h.get("interrupted") else None,
     )
 
 
@@ -127,11 +144,37 @@ def _fenced(thread_id: str, epoch: int, reply: list[Any]) -> Fenced:
     return Fenced(thread_id, epoch, int(reply[1]) if len(reply) > 1 and reply[1] else None)
 
 
+logger = logging.getLogger("broker")
+
+#: Scripts of this module the broker's script table may not list yet (it lives elsewhere).
+_OWN_SCRIPTS = ("interrupt",)
+#: A delivery whose reply was lost on a dropped connection is tried once more with its token.
+_ATTEMPTS = 2
+_LINK_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class Handover(NamedTuple):
+    """What a delivery step said: `handed` (hand the answer over now), `already` (it was
+    handed over before: never again), or `unanswered` (the prompt is not answered; `state`)."""
+
+    outcome: Literal["handed", "already", "unanswered"]
+    value: str  # the delivery time (ms) when handed or already, else the prompt's state
+
+
+def delivery_token() -> str:
+    """A new delivery attempt's token: a retry of that attempt reuses it."""
+    return f"dlv_{ULID()}"
+
+
 class Sessions:
     """Session records and leases, through a Broker's connection and scripts."""
 
     def __init__(self, broker: Broker) -> None:
         self._b = broker
+        scripts = broker._scripts.by_name
+        for name in _OWN_SCRIPTS:
+            if name not in scripts:
+                scripts[name] = _scripts._load(name)
 
     async def _call(self, name: str, keys: list[str], args: list[Any]) -> list[Any]:
         self._b._check_open()
@@ -283,31 +326,103 @@ class Sessions:
             raise _fenced(thread_id, epoch, reply)
 
     async def resume(
-        self, thread_id: str, prompt_id: str, epoch: int, grant: Grant | None
-    ) -> str | None:
-        """Take a parked prompt's answer into a resume turn (resume.lua), enqueueing its audit.
+        self, thread_id: str, prompt_id: str, epoch: int, grant: Grant | None, token: str
+    ) -> Handover:
+        """Hand a parked prompt's answer to a resume turn (resume.lua), enqueueing its audit.
 
-        Returns the delivery time (ms; the first one, if this resume runs again after a crash),
-        or None when the prompt is not answered.
+        At most once per prompt, ever: `already` when it was handed over before (the turn that
+        got it was cut off; it is reported interrupted, never replayed). `token` names this
+        attempt: a retry after a lost reply is the same delivery. The grant, if any, is minted in
+        the same step, once per prompt.
         """
         tk = self._b.thread(thread_id)
-        pipe = self._b.redis.pipeline(transaction=False)
-        self._b._scripts.queue(
-            pipe,
-            "resume",
-            [tk.session, tk.prompt(prompt_id)],
-            [epoch, grant.model_dump_json() if grant else ""],
-        )
         member = self._b.keys.member(thread_id, prompt_id)
-        pipe.zrem(self._b.keys.open, member)
-        self._b._queue_audit_job(pipe, thread_id, prompt_id)
-        reply, *_ = await self._b._scripts.run_pipeline(self._b.redis, pipe)
+        for attempt in range(1, _ATTEMPTS + 1):
+            pipe = self._b.redis.pipeline(transaction=False)
+            self._b._scripts.queue(
+                pipe,
+                "resume",
+                [tk.session, tk.prompt(prompt_id)],
+                [epoch, grant.model_dump_json() if grant else "", prompt_id, token],
+            )
+            pipe.zrem(self._b.keys.open, member)
+            self._b._queue_audit_job(pipe, thread_id, prompt_id)
+            try:
+                reply, *_ = await self._b._scripts.run_pipeline(self._b.redis, pipe)
+                break
+            except _LINK_ERRORS as e:
+                if attempt == _ATTEMPTS:
+                    raise BrokerUnavailable("handing over a parked answer", e, None) from e
         if reply[0] == "fenced":
             raise _fenced(thread_id, epoch, reply)
-        if reply[0] != "resumed":
-            return None
+        if reply[0] == "state":
+            return Handover("unanswered", str(reply[1]))
+        if reply[0] == "delivered":
+            return Handover("already", str(reply[1]))
         await self._b.redis.zadd(self._b.keys.audit, {member: int(reply[1])}, nx=True)
-        return str(reply[1])
+        return Handover("handed", str(reply[1]))
+
+    async def deliver(self, thread_id: str, prompt_id: str, epoch: int, token: str) -> Handover:
+        """Record, as the lease holder, that a held wait's answer is handed to the agent now
+        (deliver.lua), indexing it for audit. `already`: it was handed over before; do not."""
+        tk = self._b.thread(thread_id)
+        for attempt in range(1, _ATTEMPTS + 1):
+            pipe = self._b.redis.pipeline(transaction=False)
+            self._b._scripts.queue(
+                pipe, "deliver", [tk.prompt(prompt_id), tk.session], [epoch, prompt_id, token]
+            )
+            self._b._queue_resolved(pipe, thread_id, prompt_id)
+            try:
+                reply, *_ = await self._b._scripts.run_pipeline(self._b.redis, pipe)
+                break
+            except _LINK_ERRORS as e:
+                if attempt == _ATTEMPTS:
+                    raise BrokerUnavailable("recording a held answer's delivery", e, None) from e
+        if reply[0] == "fenced":
+            raise _fenced(thread_id, epoch, reply)
+        if reply[0] == "state":
+            return Handover("unanswered", str(reply[1]))
+        first = reply[0] == "delivered"
+        logger.info(
+            "prompt.delivered",
+            extra={"thread_id": thread_id, "prompt_id": prompt_id, "first": first},
+        )
+        return Handover("handed" if first else "already", str(reply[1]))
+
+    async def interrupt(
+        self,
+        thread_id: str,
+        epoch: int,
+        text: str,
+        *,
+        metadata: Mapping[str, Any],
+        interruption: Mapping[str, Any],
+        waited: str | None = None,
+    ) -> bool:
+        """Report the session's cut-off turn (interrupt.lua): post `text` as agent output, record
+        `interruption` for the next turn, end the turn. False when there was nothing to report
+        (already reported, or the session waits on an answer nobody was given).
+
+        `waited`: the prompt the session still waits on, whose answer was already handed over.
+        """
+        tk = self._b.thread(thread_id)
+        keys = [tk.session, tk.items] + ([tk.prompt(waited)] if waited else [])
+        item_id = f"itm_{ULID()}"
+        reply = await self._call(
+            "interrupt",
+            keys,
+            [
+                epoch,
+                item_id,
+                self._b.identity,
+                body(text, {**metadata, "type": "agent_output"}),
+                orjson.dumps(dict(interruption)),
+                waited or "",
+            ],
+        )
+        if reply[0] == "fenced":
+            raise _fenced(thread_id, epoch, reply)
+        return bool(reply[0] == "posted")
 
     async def spend_grant(self, session: Session, epoch: int, question: str) -> str | None:
         """Spend the session's grant (as read in `session`) and post `approval_granted`.
@@ -328,7 +443,7 @@ class Sessions:
         }
         reply = await self._call(
             "grant",
-            [tk.session, tk.items],
+            [tk.session, tk.items, tk.prompt(grant.granted_by)],
             [epoch, session.grant_raw, item_id, self._b.identity, body(text, meta)],
         )
         if reply[0] == "fenced":

@@ -151,8 +151,13 @@ def script(thread: str) -> dict[str, Any]:
     }
 
 
-#: What a replica says on adopting a thread whose turn was cut with nothing waited on.
-INTERRUPTED = "(the turn was interrupted: the replica running it stopped)"
+#: How a replica's item begins when it finds a thread whose turn was cut off.
+INTERRUPTED = "(the turn was interrupted: the replica running it stopped."
+
+
+def interruptions(items: Iterable[Item]) -> list[str]:
+    """The items that told the person a turn was cut off."""
+    return [line for line in outputs(list(items)) if line.startswith(INTERRUPTED)]
 
 
 def answer(approve: bool) -> dict[str, Any]:
@@ -176,7 +181,7 @@ async def start_threads(b: Broker, threads: Iterable[str], within: float = 20) -
                 # Not the fault under test: a stall longer than the lease (a loaded machine) can
                 # cut a starting turn, which its next holder reports interrupted, the message
                 # spent. Send it again.
-                cut = outputs(await b.items(t)).count(INTERRUPTED)
+                cut = len(interruptions(await b.items(t)))
                 if cut > nudged[t]:
                     nudged[t] = cut
                     print(f"{t}: its first turn was interrupted during set-up; sent again")
@@ -473,7 +478,7 @@ async def interrupted_once(b: Broker, threads: Iterable[str]) -> bool:
         s = await b.sessions.get(t)
         if s is None or s.status != "idle":
             return False
-        if outputs(await b.items(t)).count(INTERRUPTED) != 1:
+        if len(interruptions(await b.items(t))) != 1:
             return False
     return True
 

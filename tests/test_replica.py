@@ -30,7 +30,14 @@ from broker import (
 )
 from tests.conftest import BrokerFactory
 from tests.helpers import of_type, outputs, stays, text, truthy, until
-from workers.harness import PromptParked, Resume, Turn, TurnResult, approval_question
+from workers.harness import (
+    AgentStore,
+    PromptParked,
+    Resume,
+    Turn,
+    TurnResult,
+    approval_question,
+)
 from workers.replica import Replica
 from workers.scripted import ScriptedHarness
 
@@ -82,6 +89,11 @@ class Recorder:
     async def run_turn(self, turn: Turn) -> TurnResult:
         self.log.append(TurnLog(self.replica_id, turn.thread_id, turn.prompt, turn.resume))
         return await self.inner.run_turn(turn)
+
+    async def describe_interruption(
+        self, thread_id: str, state: dict[str, Any] | None, store: AgentStore | None
+    ) -> str:
+        return await self.inner.describe_interruption(thread_id, state, store)
 
 
 @dataclass

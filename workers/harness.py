@@ -37,6 +37,7 @@ __all__ = [
     "Turn",
     "TurnResult",
     "approval_question",
+    "describe_delivered",
 ]
 
 Permissions = Literal["approval", "autonomous", "guarded"]
@@ -178,6 +179,25 @@ class Harness(Protocol):
         Must not raise for missing or partial data: say what is not known instead.
         """
         ...
+
+
+def describe_delivered(delivered: Resume) -> str:
+    """The answer a cut-off turn had been handed, in a phrase fit for the agent and the person:
+    "the person approved `Bash` (prompt prm_...)" or "the person's answer to prompt prm_...:
+    Pick one: A"."""
+    if delivered.kind == "approval" and delivered.subject:
+        verb = "approved" if delivered.verdict == "approve" else "denied"
+        return f"the person {verb} `{delivered.subject}` (prompt {delivered.prompt_id})"
+    answers = "; ".join(
+        f"{_first_line(a.question)}: {', '.join(a.answer) or '(no answer)'}"
+        for a in delivered.answers
+    )
+    return f"the person's answer to prompt {delivered.prompt_id}: {answers}"
+
+
+def _first_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _detail(tool_input: dict[str, Any]) -> str:

@@ -47,10 +47,22 @@ from broker import (
     Question,
     Session,
     Settings,
+    ThreadClosed,
 )
+from broker.sessions import delivery_token
 from workers import policy
 from workers.grants import approves, covers, resume_text
-from workers.harness import Gate, GateVerdict, Harness, PromptParked, Resume, Turn, TurnResult
+from workers.harness import (
+    Gate,
+    GateVerdict,
+    Harness,
+    Interruption,
+    PromptParked,
+    Resume,
+    Turn,
+    TurnResult,
+    describe_delivered,
+)
 
 logger = logging.getLogger("workers.replica")
 
@@ -92,6 +104,9 @@ class _Thread:
     task: asyncio.Task[None] | None = None
     kicked: bool = False
     listener: Any = None
+    # prompt -> the token of a resume attempt whose reply never came: its retry reuses it, so a
+    # lost reply is the same delivery, not a refused second one
+    tokens: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -323,63 +338,132 @@ class Replica:
         if session.status == "closed":
             raise _Lost
         if session.waiting is not None:
-            try:
-                prompt = await self.broker.get_prompt(t.thread_id, session.waiting.prompt_id)
-            except PromptNotFound:
-                prompt = None
-            if prompt is not None and prompt.state == "pending":
-                if session.status != "parked":  # a dead replica's held wait: adopt as parked
-                    await self._update(t, status="parked")
+            if await self._waiting(t, session, session.waiting.prompt_id):
                 return
-            if prompt is not None and prompt.state == "answered":
-                await self._resume(t, session, prompt)
-                t.kicked = True  # look again: messages may have queued meanwhile
-                return
-            await self._update(t, status="idle", wait=None)
         elif session.status in ("running", "parked"):
-            # A turn was running on a replica that died; nothing is being waited on.
-            await self._emit(t, "(the turn was interrupted: the replica running it stopped)")
-            await self._update(t, status="idle")
+            # A turn was cut off (its replica died, paused past its lease, or lost Redis) with
+            # nothing waited on: perhaps after an answer was handed to it.
+            await self._interrupted(t, session, waited=None)
         inbox = await self.broker.take_inbox(t.thread_id)
         if inbox:
             text = "\n\n".join(i.text for i in inbox if i.text)
+            session = await self.broker.sessions.get(t.thread_id) or session
             await self._run_turn(t, session, text, None)
+
+    async def _waiting(self, t: _Thread, session: Session, prompt_id: str) -> bool:
+        """Act on the prompt the session waits on; True when nothing more is to be done now."""
+        try:
+            prompt = await self.broker.get_prompt(t.thread_id, prompt_id)
+        except PromptNotFound:
+            prompt = None
+        if prompt is not None and prompt.state == "pending":
+            if session.status != "parked":  # a dead replica's held wait: adopt as parked
+                await self._update(t, status="parked")
+            return True
+        if prompt is not None and prompt.state == "answered":
+            if await self._resume(t, session, prompt):
+                t.kicked = True  # look again: messages may have queued meanwhile
+                return True
+            # Handed over before, to a turn that was cut off: tell, never replay.
+            await self._interrupted(t, session, waited=prompt)
+        else:
+            await self._update(t, status="idle", wait=None)
+        return False
+
+    async def _interrupted(self, t: _Thread, session: Session, waited: Prompt | None) -> None:
+        """Report a cut-off turn once: the person gets one item with what is known, the session
+        keeps it for the next turn to tell the agent, and nothing of that turn is replayed."""
+        delivered_id = waited.prompt_id if waited is not None else session.delivered
+        delivered: Resume | None = None
+        if delivered_id:
+            try:
+                prompt = await self.broker.get_prompt(t.thread_id, delivered_id)
+            except PromptNotFound:
+                prompt = None
+            if prompt is not None and prompt.state == "answered":
+                delivered = _resume_of(prompt)
+        note = await self._describe(t, session)
+        unused = None
+        if delivered is not None and delivered.verdict == "approve":
+            unused = session.grant is not None and session.grant.granted_by == delivered.prompt_id
+        interruption = Interruption(delivered=delivered, note=note)
+        told = await self.broker.sessions.interrupt(
+            t.thread_id,
+            t.epoch,
+            interruption_text(delivered, note, grant_unused=unused),
+            metadata={"interrupted": {"delivered": delivered_id or None, "note": note}},
+            interruption=interruption_record(interruption),
+            waited=waited.prompt_id if waited is not None else None,
+        )
+        if told:
+            logger.info(
+                "turn.interrupted",
+                extra={"thread_id": t.thread_id, "prompt_id": delivered_id, "note": note},
+            )
+
+    async def _describe(self, t: _Thread, session: Session) -> str:
+        """The harness's account of the call in flight; "" when it has none or fails to say."""
+        harness = self.harnesses.get(session.harness)
+        if harness is None:
+            return ""
+        try:
+            async with asyncio.timeout(10):
+                return await harness.describe_interruption(
+                    t.thread_id, session.state, _Store(self.broker, t.thread_id)
+                )
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the interruption is reported all the same, without its note
+            logger.exception("turn.interruption_undescribed", extra={"thread_id": t.thread_id})
+            return ""
 
     # -- turns -------------------------------------------------------------------------------
 
-    async def _resume(self, t: _Thread, session: Session, prompt: Prompt) -> None:
+    async def _resume(self, t: _Thread, session: Session, prompt: Prompt) -> bool:
+        """Run the resume turn of an answered parked prompt, if its answer was never handed
+        over; False when it was (the turn that got it was cut off)."""
         q = prompt.questions[0]
         approve = approves(prompt.answers)
         grant = None
         if prompt.kind == "approval" and approve and q.subject:
             grant = Grant(subject=q.subject, grant_key=q.grant_key, granted_by=prompt.prompt_id)
-        if await self.broker.sessions.resume(t.thread_id, prompt.prompt_id, t.epoch, grant) is None:
-            return
-        resume = Resume(
-            prompt_id=prompt.prompt_id,
-            kind=prompt.kind,
-            subject=q.subject or "",
-            answers=prompt.answers or [],
-            verdict=("approve" if approve else "deny") if prompt.kind == "approval" else None,
-            text=prompt.answer_text or "",
+        token = t.tokens.setdefault(prompt.prompt_id, delivery_token())
+        handed = await self.broker.sessions.resume(
+            t.thread_id, prompt.prompt_id, t.epoch, grant, token
         )
+        del t.tokens[prompt.prompt_id]  # a reply came: the next attempt is a new one
+        if handed.outcome == "already":
+            logger.warning(
+                "turn.resume_refused",
+                extra={"thread_id": t.thread_id, "prompt_id": prompt.prompt_id},
+            )
+            return False
+        if handed.outcome == "unanswered":
+            return True  # the record moved on (the prompt is gone): look again
         logger.info("turn.resume", extra={"thread_id": t.thread_id, "prompt_id": prompt.prompt_id})
-        await self._run_turn(t, session, resume_text(prompt, session.work_folder), resume)
+        await self._run_turn(
+            t, session, resume_text(prompt, session.work_folder), _resume_of(prompt)
+        )
+        return True
 
     async def _run_turn(
         self, t: _Thread, session: Session, text: str, resume: Resume | None
     ) -> None:
         harness = self.harnesses.get(session.harness)
+        interrupted = interruption_of(session.interrupted)
         slot = _Slot(self._slots)
         await slot.acquire()
         try:
+            # The interruption is told to this turn's agent, and only to it.
             if resume is None:
-                await self._update(t, status="running")
+                await self._update(t, status="running", interrupted=None, delivered=None)
+            elif interrupted is not None:
+                await self._update(t, interrupted=None)
             if harness is None:
                 result = TurnResult("failed", error=f"no harness {session.harness!r} here")
             else:
                 result = await self._call_harness(
-                    t, session, harness, text, resume=resume, slot=slot
+                    t, session, harness, text, resume=resume, slot=slot, interrupted=interrupted
                 )
         finally:
             slot.release()
@@ -394,6 +478,7 @@ class Replica:
         *,
         resume: Resume | None,
         slot: _Slot,
+        interrupted: Interruption | None = None,
     ) -> TurnResult:
         try:
             gate = await self._gate(t, session) if session.permissions == "guarded" else None
@@ -411,6 +496,7 @@ class Replica:
             work_folder=session.work_folder,
             gate=gate,
             store=_Store(self.broker, t.thread_id),
+            interrupted=interrupted,
         )
         try:
             return await harness.run_turn(turn)
@@ -436,7 +522,7 @@ class Replica:
         await self._post(t, summary, "policy_applied", None, applied)
 
         async def gate(harness: str, tool: str, tool_input: dict[str, Any]) -> GateVerdict:
-            verdict = guard.decide(harness, tool, tool_input)
+            verdict = await guard.decide_async(harness, tool, tool_input)
             logger.info(
                 "policy.verdict",
                 extra={"thread_id": t.thread_id, "action": verdict.action, "rule": verdict.rule},
@@ -454,18 +540,20 @@ class Replica:
     async def _end_turn(self, t: _Thread, result: TurnResult) -> None:
         state = _json(result.state)
         if result.status == "parked":
-            await self._update(t, status="parked", hstate=state)
+            await self._update(t, status="parked", hstate=state, delivered=None)
             logger.info("turn.parked", extra={"thread_id": t.thread_id})
             return
         if result.status == "failed":
             await self.broker.cancel(t.thread_id, result.error, epoch=t.epoch)
             await self._post(t, f"✗ the turn failed: {result.error}", "turn_end", "failed")
-            await self._update(t, status="idle", wait=None, hstate=state, error=result.error)
+            await self._update(
+                t, status="idle", wait=None, hstate=state, error=result.error, delivered=None
+            )
             return
         # A run that ended leaves no question behind for nobody to take the answer of.
         await self.broker.cancel(t.thread_id, RUN_ENDED, epoch=t.epoch)
         await self._post(t, "", "turn_end", "completed")
-        await self._update(t, status="idle", wait=None, hstate=state, error=None)
+        await self._update(t, status="idle", wait=None, hstate=state, error=None, delivered=None)
 
     async def _update(self, t: _Thread, **fields: str | None) -> None:
         await self.broker.sessions.update(t.thread_id, t.epoch, **fields)
@@ -491,7 +579,7 @@ class Replica:
                 {"content": content, "metadata": meta, "author": self.broker.identity},
                 epoch=t.epoch,
             )
-        except Fenced as e:
+        except (Fenced, ThreadClosed) as e:
             raise _Lost from e
 
     # -- held waits --------------------------------------------------------------------------
@@ -618,11 +706,86 @@ class _Handle:
         try:
             answers = wait.result()
             # Out of the hold now: a demotion can no longer cancel the delivery half-way.
-            await self.r.broker.deliver(self.t.thread_id, prompt.prompt_id, epoch=self.t.epoch)
+            handed = await self.r.broker.sessions.deliver(
+                self.t.thread_id, prompt.prompt_id, self.t.epoch, delivery_token()
+            )
         except Fenced as e:
             raise _Lost from e
+        if handed.outcome != "handed":
+            # Handed over before (or gone): never twice. Stop touching the thread; its next
+            # holder finds the turn cut off and reports it.
+            logger.warning(
+                "prompt.delivery_refused",
+                extra={"thread_id": self.t.thread_id, "prompt_id": prompt.prompt_id},
+            )
+            raise _Lost
         await self.slot.acquire()
         return answers
+
+
+def _resume_of(prompt: Prompt) -> Resume:
+    """What a turn is handed of an answered prompt."""
+    q = prompt.questions[0]
+    approve = approves(prompt.answers)
+    return Resume(
+        prompt_id=prompt.prompt_id,
+        kind=prompt.kind,
+        subject=q.subject or "",
+        answers=prompt.answers or [],
+        verdict=("approve" if approve else "deny") if prompt.kind == "approval" else None,
+        text=prompt.answer_text or "",
+    )
+
+
+def interruption_text(
+    delivered: Resume | None, note: str, *, grant_unused: bool | None = None
+) -> str:
+    """The thread item that tells the person a turn was cut off, and what is known of it."""
+    parts = ["the turn was interrupted: the replica running it stopped."]
+    if delivered is not None:
+        parts.append(f"It had been handed {describe_delivered(delivered)}.")
+        if grant_unused is True:
+            parts.append("Its one-shot approval was not used: the call did not run through it.")
+        elif grant_unused is False:
+            parts.append("Its one-shot approval was used.")
+    if note:
+        parts.append(note.rstrip(".") + ".")
+    parts.append("Nothing of that turn is repeated; a call the agent makes again is asked again.")
+    return "(" + " ".join(parts) + ")"
+
+
+def interruption_record(interruption: Interruption) -> dict[str, Any]:
+    """An interruption as the session keeps it (JSON)."""
+    d = interruption.delivered
+    delivered = None
+    if d is not None:
+        delivered = {
+            "prompt_id": d.prompt_id,
+            "kind": d.kind,
+            "subject": d.subject,
+            "answers": [a.model_dump() for a in d.answers],
+            "verdict": d.verdict,
+            "text": d.text,
+        }
+    return {"delivered": delivered, "note": interruption.note}
+
+
+def interruption_of(record: Mapping[str, Any] | None) -> Interruption | None:
+    """The interruption a session keeps, back as the harness interface's type."""
+    if not record:
+        return None
+    d = record.get("delivered")
+    delivered = None
+    if isinstance(d, Mapping):
+        delivered = Resume(
+            prompt_id=str(d.get("prompt_id", "")),
+            kind=d.get("kind", "approval"),
+            subject=str(d.get("subject", "")),
+            answers=[Answer.model_validate(a) for a in d.get("answers") or []],
+            verdict=d.get("verdict"),
+            text=str(d.get("text", "")),
+        )
+    return Interruption(delivered=delivered, note=str(record.get("note", "")))
 
 
 def _json(value: Any) -> str | None:

@@ -43,6 +43,10 @@ in order, each an object with exactly one of these keys:
   `Bash:make deploy`). Approve: it runs. Deny: ``Did not run Bash `make deploy`: the person
   denied it.`` If the prompt is cancelled or cannot be delivered, the call is not run, and the
   agent says so and that nobody refused it. The next step runs in every case.
+  With `"shell": true` the call really runs: `input.command` under `/bin/sh` in the work folder
+  (at most `MAX_SHELL` seconds), and its output replaces `output` (`(exit code N)` is added
+  when it is not 0). Every call that runs is logged in the agent store (`CALLS`) as it starts
+  and as it ends, so a turn cut off in between is told truthfully (`describe_interruption`).
 - `{"ask": [question, ...]}`: an `ask_user_question` prompt of one or more questions, each a
   `broker.models.Question` (`question`, `header`, `options` of `{label, description}`,
   `multiSelect`; no options means free text). The agent outputs one line per question, the
@@ -72,6 +76,14 @@ replica. The answer arrives as a later turn with that `state` and `turn.resume`:
 Then the entry's remaining steps run. If the script changed so that the saved position no longer
 holds a step of the parked kind, the turn completes with a line saying so. A new turn that is not
 a resume starts afresh from the matching entry, whatever `state` it carries.
+
+Interrupted turns
+-----------------
+A turn cut off before it ended is never replayed. The next turn carries `turn.interrupted`; the
+agent first says ``My previous turn was interrupted before it ended.``, what it had been handed
+(``It had been handed the person approved `Bash` (prompt prm_...).``), what is known of its last
+call (``Bash `make deploy` ran, exit code 0.``, or that it was interrupted and may or may not have
+taken effect), and ``I will not repeat anything of it unasked.``; then the turn runs as usual.
 """
 
 from __future__ import annotations
@@ -87,7 +99,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from broker import LIMITS, Answer, BadItem, PromptCancelled, PromptUnavailable, Question, verdict
 from broker.answers import NEGATIVE
-from workers.harness import AgentStore, PromptParked, Resume, Turn, TurnResult, approval_question
+from workers.harness import (
+    AgentStore,
+    Interruption,
+    PromptParked,
+    Resume,
+    Turn,
+    TurnResult,
+    approval_question,
+    describe_delivered,
+)
 from workers.policy import refusal
 
 __all__ = [
@@ -109,6 +130,11 @@ __all__ = [
 
 #: The longest a `sleep` step waits, in seconds.
 MAX_SLEEP = 60.0
+#: The longest a `shell` tool call runs, in seconds.
+MAX_SHELL = 60.0
+#: The agent store key of the harness's call log: each call as it starts and as it ends, and
+#: each turn's end, so an interrupted turn's last call can be told truthfully.
+CALLS = "scripted-calls"
 
 #: The script of a thread created with an empty config.
 DEFAULT_SCRIPT: dict[str, Any] = {
@@ -141,11 +167,13 @@ class Say(_Spec):
 
 
 class Tool(_Spec):
-    """A tool call: approved first under `approval` permissions, then `output` is shown."""
+    """A tool call: approved first under `approval` permissions, then `output` is shown (or,
+    with `shell`, `input.command` really runs and its output is shown)."""
 
     tool: str = Field(min_length=1)
     input: dict[str, Any] = Field(default_factory=dict)
     output: str = ""
+    shell: bool = False
 
 
 class Ask(_Spec):
@@ -350,10 +378,12 @@ def _call(step: Tool) -> str:
     return step.tool
 
 
-def _ran(step: Tool) -> str:
-    if step.output:
-        return f"Ran {_call(step)}:\n{step.output}"
-    return f"Ran {_call(step)} (no output)."
+def _ran(step: Tool, output: str | None = None, code: int = 0) -> str:
+    output = step.output if output is None else output
+    ran = f"Ran {_call(step)}" + (f" (exit code {code})" if code else "")
+    if output:
+        return f"{ran}:\n{output}"
+    return f"{ran} (no output)."
 
 
 def _denied(step: Tool, words: str | None) -> str:
@@ -403,6 +433,26 @@ def _undelivered(what: str, e: PromptUnavailable) -> str:
 # -- running a turn ------------------------------------------------------------------------------
 
 
+async def _shell(command: str, work_folder: str) -> tuple[str, int]:
+    """Run a `shell` tool call's command: (its output, its exit code)."""
+    proc = await asyncio.create_subprocess_exec(
+        "/bin/sh",
+        "-c",
+        command,
+        cwd=work_folder or None,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        async with asyncio.timeout(MAX_SHELL):
+            out, _ = await proc.communicate()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return f"(stopped after {MAX_SHELL:g} s)", -9
+    return out.decode(errors="replace").rstrip("\n"), proc.returncode or 0
+
+
 def _position(state: dict[str, Any] | None) -> tuple[int, int] | None:
     if not state:
         return None
@@ -422,6 +472,32 @@ class _Run:
 
     async def emit(self, text: str) -> None:
         await self.turn.emit(text)
+
+    async def record(self, entry: dict[str, Any]) -> None:
+        """Log a call's start or end, or the turn's end, as it happens (see `CALLS`)."""
+        if self.turn.store is not None:
+            await self.turn.store.append(CALLS, [entry])
+
+    async def run_tool(self, step: Tool) -> None:
+        """Run an allowed call: recorded before it starts and when it ends, then reported."""
+        call = _call(step)
+        await self.record({"call": call})
+        output, code = step.output, 0
+        if step.shell:
+            output, code = await _shell(str(step.input.get("command", "")), self.turn.work_folder)
+        await self.record({"call": call, "exit": code})
+        await self.emit(_ran(step, output, code))
+
+    async def tell_interruption(self, interrupted: Interruption) -> None:
+        """What the agent is told first when its previous turn was cut off: what it had been
+        handed, and what is known of its call in flight. Nothing of that turn is redone."""
+        told = ["My previous turn was interrupted before it ended."]
+        if interrupted.delivered is not None:
+            told.append(f"It had been handed {describe_delivered(interrupted.delivered)}.")
+        if interrupted.note:
+            told.append(interrupted.note.rstrip(".") + ".")
+        told.append("I will not repeat anything of it unasked.")
+        await self.emit(" ".join(told))
 
     async def steps(self, entry: int, start: int) -> TurnResult:
         steps = self.script.turns[entry].steps
@@ -462,12 +538,12 @@ class _Run:
 
     async def tool(self, step: Tool) -> None:
         if self.turn.permissions == "autonomous":
-            await self.emit(_ran(step))
+            await self.run_tool(step)
             return
         if self.turn.permissions == "guarded" and self.turn.gate is not None:
             gate = await self.turn.gate("scripted", step.tool, dict(step.input))
             if gate.action == "allow":
-                await self.emit(_ran(step))
+                await self.run_tool(step)
                 return
             if gate.action == "deny":
                 await self.emit(f"Did not run {_call(step)}: {refusal(gate)}.")
@@ -480,7 +556,10 @@ class _Run:
         except PromptUnavailable as e:
             why = "approval was unavailable: " + _undelivered("the request was", e)
         else:
-            await self.emit(_ran(step) if verdict(answers) == "approve" else _denied(step, None))
+            if verdict(answers) == "approve":
+                await self.run_tool(step)
+            else:
+                await self.emit(_denied(step, None))
             return
         await self.emit(f"Did not run {_call(step)}: {why}. Nobody refused it.")
 
@@ -541,8 +620,30 @@ class ScriptedHarness:
     async def describe_interruption(
         self, thread_id: str, state: dict[str, Any] | None, store: AgentStore | None
     ) -> str:
-        """Nothing is recorded per call yet, so nothing is known of one in flight."""
-        return ""
+        """The last call of the cut-off turn, from the call log (`CALLS`): "ran, exit code N"
+        when its end was recorded, else that it may or may not have taken effect."""
+        if store is None:
+            return ""
+        try:
+            log = await store.load(CALLS) or []
+        except Exception:  # say what is not known, never raise
+            return "What the interrupted turn was doing is not known: its call log is unreadable."
+        last: dict[str, Any] | None = None
+        for entry in log:
+            if not isinstance(entry, dict):
+                continue
+            if entry.get("ended"):
+                last = None  # calls of turns that ended are not in flight
+            elif isinstance(entry.get("call"), str):
+                last = entry
+        if last is None:
+            return ""
+        if type(last.get("exit")) is int:
+            return f"{last['call']} ran, exit code {last['exit']}"
+        return (
+            f"{last['call']} was interrupted; it may or may not have taken effect; check before "
+            "running it again"
+        )
 
     async def run_turn(self, turn: Turn) -> TurnResult:
         try:
@@ -550,6 +651,13 @@ class ScriptedHarness:
         except BadItem as e:
             return TurnResult(status="failed", error=f"the scripted harness has no script: {e}")
         run = _Run(turn, script)
+        if turn.interrupted is not None:
+            await run.tell_interruption(turn.interrupted)
+        result = await self._run(run, turn, script)
+        await run.record({"ended": result.status})
+        return result
+
+    async def _run(self, run: _Run, turn: Turn, script: Script) -> TurnResult:
         if turn.resume is not None:
             return await run.resume(turn.resume)
         entry = script.pick(turn.prompt)
