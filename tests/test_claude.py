@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import signal
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ pytest.importorskip(
 from broker import Answer, BadItem, Broker, Item, PromptCancelled, PromptUnavailable
 from tests.helpers import of_type, outputs, truthy, until
 from tests.test_replica import Fleet, Running, session, status_is
+from workers import claude_calls
 from workers.claude import (
     PARKED_APPROVAL,
     ClaudeHarness,
@@ -51,7 +53,7 @@ from workers.fakes.anthropic import (
     tool_use,
 )
 from workers.fleet import Fleet as ProcessFleet
-from workers.harness import GateVerdict, Turn, TurnResult
+from workers.harness import GateVerdict, Interruption, Resume, Turn, TurnResult
 
 pytestmark = [
     pytest.mark.real_redis,
@@ -998,3 +1000,179 @@ async def test_sigkilled_replica_takes_its_cli_and_the_command_with_it(
         await asyncio.sleep(1.0)
         assert started_under(root) == {}
     assert content(marker) == "RAN\n"
+
+
+# -- a call in flight when the turn is cut off ---------------------------------------------------
+
+
+class Approving:
+    """A prompt handle that approves every approval at once."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    async def ask(self, kind: str, questions: Any, *, state: Any = None) -> list[Answer]:
+        self.asked.append(kind)
+        return [Answer(question=questions[0].question, answer=["Approve"])]
+
+
+def direct_turn(
+    fake: FakeAnthropic, work: Path, store: MemoryStore, prompt: str, **fields: Any
+) -> Turn:
+    async def emit(line: str) -> None:
+        return None
+
+    return Turn(
+        thread_id="t1",
+        prompt=prompt,
+        permissions="approval",
+        config={"base_url": fake.url, "api_key": "sk-ant-dummy-offline"},
+        state=None,
+        handle=Approving(),
+        emit=emit,
+        work_folder=str(work),
+        store=store,
+        **fields,
+    )
+
+
+async def cut_off(harness: ClaudeHarness, turn: Turn, ready: Callable[[], bool], what: str) -> None:
+    """Run a turn until `ready`, then cancel it as a replica's death would (the CLI and the
+    command are killed)."""
+    task = asyncio.create_task(harness.run_turn(turn))
+    await until(lambda: truthy(ready() or task.done()), what, within=SLOW)
+    assert not task.done(), task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await no_cli_left()
+
+
+def hold_reply(
+    gate: threading.Event, asked: threading.Event
+) -> Callable[[list[dict[str, Any]]], list[dict[str, Any]]]:
+    """The model's reply, held until `gate` is set (`asked` says it is pending)."""
+
+    def reply(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        asked.set()
+        gate.wait(SLOW)
+        return [text("Done.")]
+
+    return reply
+
+
+async def test_a_call_cut_off_while_running_is_said_interrupted_and_the_agent_is_told_first(
+    fake: FakeAnthropic, tmp_path: Path, work: Path
+) -> None:
+    """The turn is cut off while its approved command runs: the call log has it allowed with no
+    result, so it is "interrupted; it may or may not have taken effect", never "aborted" or
+    "failed". The next turn continues the same session and tells the model that note before
+    its input; the command ran once."""
+    marker = work / "marker"
+    command = f"echo RAN >> {marker}; sleep 8"
+    harness = ClaudeHarness(scratch_root=tmp_path / "scratch")
+    store = MemoryStore()
+    fake.script.conversations["CUT-RUN"] = [[bash(command)], [text("Done.")]]
+    fake.script.conversations["CUT-RUN"].append([text("I will check the marker first.")])
+    turn = direct_turn(fake, work, store, "CUT-RUN: go")
+    await cut_off(harness, turn, marker.exists, "the command to start")
+
+    note = await harness.describe_interruption("t1", None, store)
+    assert note == (
+        f"Bash `{command}` was interrupted; it may or may not have taken effect; check before "
+        "running it again"
+    )
+    sent = len(fake.main_requests())
+    nxt = direct_turn(
+        fake, work, store, "What now?", interrupted=Interruption(delivered=None, note=note)
+    )
+    result = await harness.run_turn(nxt)
+    assert result.status == "completed", result
+    told = last_user_text(fake.main_requests()[sent].messages)
+    assert told.startswith("[Your previous turn was cut off before it ended")
+    assert note in told and told.endswith("What now?")
+    assert told.index(note) < told.index("What now?")
+    (call,) = fake.tool_uses("Bash")
+    seen = " ".join(r["text"] for r in fake.tool_results(call["id"])).lower()
+    assert "aborted" not in seen and "failed" not in seen
+    assert content(marker) == "RAN\n"  # once: nothing re-ran it
+    assert result.state is not None  # the same session went on
+    assert result.state["session_id"] == claude_calls.last_session(store.data[claude_calls.CALLS])
+
+
+async def test_a_call_whose_result_was_recorded_is_said_to_have_run_with_its_exit_code(
+    fake: FakeAnthropic, tmp_path: Path, work: Path
+) -> None:
+    """The turn is cut off after the command finished, while the model's next reply is
+    pending: its result was recorded as it arrived, so it "ran, exit code N"."""
+    marker = work / "marker"
+    command = f"echo RAN >> {marker}; exit 3"
+    harness = ClaudeHarness(scratch_root=tmp_path / "scratch")
+    store = MemoryStore()
+    gate, asked = threading.Event(), threading.Event()
+    fake.script.conversations["CUT-AFTER"] = [[bash(command)], hold_reply(gate, asked)]
+    turn = direct_turn(fake, work, store, "CUT-AFTER: go")
+    try:
+        await cut_off(harness, turn, asked.is_set, "the model's next request")
+    finally:
+        gate.set()
+    assert await harness.describe_interruption("t1", None, store) == (
+        f"Bash `{command}` ran, exit code 3"
+    )
+    assert content(marker) == "RAN\n"
+
+
+def test_describe_reads_the_call_log() -> None:
+    """The pure reading of the call log: refusals, deferrals and waits for a person are not in
+    flight; an allowed call with no result is; a recorded result ran; an old turn is ignored;
+    odd records never raise."""
+    from workers.claude_calls import describe, result_record
+
+    def call(i: str, tool: str = "Bash") -> dict[str, Any]:
+        return {"e": "call", "id": i, "tool": tool, "detail": f"cmd {i}"}
+
+    old = [{"e": "turn"}, call("a"), {"e": "allowed", "id": "a"}]
+    assert describe([*old, {"e": "turn"}]) == ""
+    assert describe(old).startswith("Bash `cmd a` was interrupted; it may or may not")
+    ran = [*old, result_record("a", False, "(Bash completed with no output)")]
+    assert describe(ran) == "Bash `cmd a` ran, exit code 0"
+    assert describe([*ran, call("b"), {"e": "asking", "id": "b"}]) == ""  # waits for a person
+    assert describe([*ran, call("b"), {"e": "refused", "id": "b"}]) == ""
+    assert describe([*ran, call("b"), {"e": "deferred", "id": "b"}]) == ""
+    refused = [*ran, call("b"), {"e": "refused", "id": "b"}, result_record("b", True, "Denied")]
+    assert describe(refused) == ""  # a refusal's result is not a run
+    write = [{"e": "turn"}, call("w", "Write"), result_record("w", True, "EACCES\nmore")]
+    assert describe(write) == "Write `cmd w` ran and returned an error: EACCES"
+    both = [*old, call("b"), {"e": "allowed", "id": "b"}]
+    assert describe(both).count("was interrupted") == 2
+    assert describe(None) == describe([]) == describe([5, "x", {"e": "result"}]) == ""
+    assert describe([{"e": "call", "id": "z"}]).startswith("`?` was interrupted")
+
+
+async def test_describe_interruption_says_what_is_not_known_when_the_log_cannot_be_read(
+    tmp_path: Path,
+) -> None:
+    class Broken:
+        async def append(self, key: str, entries: Any) -> None:
+            raise OSError("down")
+
+        async def load(self, key: str) -> list[Any] | None:
+            raise OSError("down")
+
+    harness = ClaudeHarness(scratch_root=tmp_path)
+    note = await harness.describe_interruption("t1", None, Broken())
+    assert "may or may not have taken effect" in note
+    assert await harness.describe_interruption("t1", None, None) == ""
+    assert await harness.describe_interruption("t1", None, MemoryStore()) == ""
+
+
+def test_preface_tells_the_delivered_answer_and_the_note() -> None:
+    from workers.claude_calls import preface
+
+    delivered = Resume(
+        "prm_1", "approval", "Bash", [Answer(question="q", answer=["yes"])], "approve"
+    )
+    told = preface(Interruption(delivered=delivered, note="Bash `x` ran, exit code 0"))
+    assert "approved your request to use Bash" in told and "not repeated" in told
+    assert told.endswith("Bash `x` ran, exit code 0.]")
+    assert preface(None) == ""
