@@ -20,13 +20,14 @@ from typing import Any
 import orjson
 import pytest
 
-from broker import Broker, Fenced, Grant, Item, Prompt
+from broker import Broker, Fenced, Grant, Item, Option, Prompt, Question
 from broker.keys import ThreadKeys
 from tests.conftest import RedisServer
-from tests.helpers import of_type, outputs, text
+from tests.helpers import of_type, outputs, text, until
 from tests.test_crash import INTERRUPTED, Rig, deliveries, log_events, running_fleet
 from tests.test_crash import until as crash_until
-from workers.harness import approval_question
+from tests.test_replica import ASK, Fleet
+from workers.harness import AgentStore, Turn, TurnResult, approval_question
 
 #: The session's lease epoch after its first claim.
 EPOCH = 1
@@ -453,3 +454,66 @@ async def test_redis_outage_crashes_the_turn_after_the_command_ran(
             if e.get("event") in ("replica.thread_failed", "turn.crashed")
         ]
         assert crashed, "the turn did not crash during the outage"
+
+
+# -- in process: a held answer handed over, then the turn cut off ----------------------------------
+
+
+class StuckAfterAnswer:
+    """An agent that asks one question (held), says what it got, then never ends its turn."""
+
+    name = "scripted"
+
+    async def run_turn(self, turn: Turn) -> TurnResult:
+        q = Question(
+            question="Pick one", header="pick", options=[Option(label="A"), Option(label="B")]
+        )
+        answers = await turn.handle.ask("ask_user_question", [q])
+        await turn.emit(f"got {answers[0].answer}")
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def describe_interruption(
+        self, thread_id: str, state: dict[str, Any] | None, store: AgentStore | None
+    ) -> str:
+        return ""
+
+
+async def test_held_answer_then_cut_off_is_told_not_redelivered(
+    fleet: Fleet, person: Broker
+) -> None:
+    """A turn that got its held answer and was then cut off (its replica stopped before the
+    turn ended) is reported once by the adopter, with the answer it had; the next turn is told,
+    and the answer is never handed over again."""
+    r1 = await fleet.start("r1", {"scripted": StuckAfterAnswer()}, shutdown_grace=0.2)
+    await person.sessions.create("h1", "scripted", "approval", ASK)
+    await person.post_item("h1", text("go"))
+    p = await until(lambda: person.active_prompt("h1"), "the held question")
+    await person.post_item("h1", text("2"))
+    await until(lambda: _has(person, "h1", "got ['B']"), "the stuck agent to get its answer")
+    await fleet.stop(r1)  # the turn never ended: its record says running, answer handed over
+    s = await person.sessions.get("h1")
+    assert s is not None and s.status == "running" and s.delivered == p.prompt_id
+
+    await fleet.start("r2")
+
+    async def told() -> list[Item] | None:
+        items = await person.items("h1")
+        found = [i for i in items if i.metadata.get("interrupted")]
+        return found or None
+
+    (item,) = await until(told, "the interruption item")
+    assert item.text.startswith(INTERRUPTED)
+    assert f"the person's answer to prompt {p.prompt_id}: Pick one: B" in item.text
+    await person.post_item("h1", text("go on"))
+    await until(lambda: _has(person, "h1", "starting"), "the next turn")
+    lines = outputs(await person.items("h1"))
+    first = lines[lines.index("starting") - 1]
+    assert first.startswith("My previous turn was interrupted before it ended. It had been")
+    assert f"prompt {p.prompt_id}: Pick one: B" in first
+    assert [t.resume for t in fleet.turns_of("h1")] == [None]
+    assert len([i for i in await person.items("h1") if i.metadata.get("interrupted")]) == 1
+
+
+async def _has(b: Broker, thread: str, line: str) -> bool:
+    return line in outputs(await b.items(thread))

@@ -26,7 +26,9 @@ from broker import (
 )
 from workers import scripted
 from workers.harness import (
+    AgentStore,
     Harness,
+    Interruption,
     Permissions,
     PromptParked,
     Resume,
@@ -86,6 +88,9 @@ async def run(
     permissions: Permissions = "approval",
     state: dict[str, Any] | None = None,
     resume: Resume | None = None,
+    store: AgentStore | None = None,
+    interrupted: Interruption | None = None,
+    work_folder: str = "",
 ) -> Run:
     """Run one turn on a fresh harness (as a replica would: nothing carried in memory)."""
     out: list[str] = []
@@ -104,6 +109,9 @@ async def run(
         handle=handle,
         emit=emit,
         resume=resume,
+        store=store,
+        interrupted=interrupted,
+        work_folder=work_folder,
     )
     result = await ScriptedHarness().run_turn(turn)
     assert not handle.replies, "every scripted reply is used"
@@ -646,3 +654,111 @@ async def test_every_ask_carries_the_resume_position() -> None:
     crashed = await run(config, parked())
     assert crashed.result.state is not None
     assert {k: crashed.result.state[k] for k in ("turn", "step")} == {"turn": 0, "step": 1}
+
+
+# -- calls as they run, and interrupted turns ------------------------------------------------------
+
+
+class MemoryStore:
+    """An agent store in memory, kept through JSON as Redis keeps it."""
+
+    def __init__(self) -> None:
+        self.lists: dict[str, list[bytes]] = {}
+
+    async def append(self, key: str, entries: Sequence[Any]) -> None:
+        self.lists.setdefault(key, []).extend(orjson.dumps(e) for e in entries)
+
+    async def load(self, key: str) -> list[Any] | None:
+        return [orjson.loads(e) for e in self.lists[key]] if key in self.lists else None
+
+
+class BrokenStore:
+    async def append(self, key: str, entries: Sequence[Any]) -> None:
+        raise OSError("gone")
+
+    async def load(self, key: str) -> list[Any] | None:
+        raise OSError("gone")
+
+
+def shell(command: str) -> dict[str, Any]:
+    return {"tool": "Bash", "input": {"command": command}, "shell": True}
+
+
+async def describe(store: AgentStore | None) -> str:
+    return await ScriptedHarness().describe_interruption("thr_1", None, store)
+
+
+async def test_a_shell_call_really_runs_and_is_logged(tmp_path: Path) -> None:
+    """`shell: true` runs the command in the work folder; its output and exit code are shown, and
+    the call is logged as it starts and as it ends."""
+    store = MemoryStore()
+    config = steps(shell("echo RAN >> marker; echo done"), shell("exit 3"))
+    r = await run(config, permissions="autonomous", store=store, work_folder=str(tmp_path))
+    assert (tmp_path / "marker").read_text() == "RAN\n"
+    assert r.out == [
+        "Ran Bash `echo RAN >> marker; echo done`:\ndone",
+        "Ran Bash `exit 3` (exit code 3) (no output).",
+    ]
+    log = await store.load(scripted.CALLS)
+    assert log is not None and [e.get("exit") for e in log] == [None, 0, None, 3, None]
+    assert log[-1] == {"ended": "completed"}
+
+
+async def test_an_approved_shell_call_runs_once_it_is_approved(tmp_path: Path) -> None:
+    """Under approval the command runs only after the person approved it."""
+    config = steps(shell("echo RAN >> marker"))
+    await run(config, "no", work_folder=str(tmp_path))
+    assert not (tmp_path / "marker").exists()
+    await run(config, "yes", work_folder=str(tmp_path))
+    assert (tmp_path / "marker").read_text() == "RAN\n"
+
+
+async def test_describe_a_call_whose_end_was_recorded() -> None:
+    """A turn cut off after its call ended: the call ran, with its exit code."""
+    store = MemoryStore()
+    await store.append(scripted.CALLS, [{"call": "Bash `a`"}, {"call": "Bash `a`", "exit": 0}])
+    await store.append(scripted.CALLS, [{"ended": "completed"}, {"call": "Bash `b`"}])
+    await store.append(scripted.CALLS, [{"call": "Bash `b`", "exit": 2}])
+    assert await describe(store) == "Bash `b` ran, exit code 2"
+
+
+async def test_describe_a_call_cut_off_while_it_ran() -> None:
+    """A call whose end was never recorded may or may not have taken effect: never "aborted"."""
+    store = MemoryStore()
+    await store.append(scripted.CALLS, [{"call": "Bash `make deploy`"}])
+    said = await describe(store)
+    assert said == (
+        "Bash `make deploy` was interrupted; it may or may not have taken effect; check before "
+        "running it again"
+    )
+    assert "abort" not in said and "fail" not in said
+
+
+async def test_describe_nothing_in_flight() -> None:
+    """No store, no log, or only calls of turns that ended: nothing to say."""
+    assert await describe(None) == ""
+    store = MemoryStore()
+    assert await describe(store) == ""
+    await store.append(scripted.CALLS, [{"call": "Bash `a`"}, {"call": "Bash `a`", "exit": 0}])
+    await store.append(scripted.CALLS, [{"ended": "completed"}, "junk", {"call": 5}])
+    assert await describe(store) == ""
+
+
+async def test_describe_never_raises() -> None:
+    """An unreadable log is said to be so, not raised."""
+    assert "not known" in await describe(BrokenStore())
+
+
+async def test_the_next_turn_tells_the_interruption_first() -> None:
+    """A turn after an interrupted one says what it had been handed and what is known of its
+    call, before anything else; then it runs as usual (its call asks again)."""
+    handed = resume_of("approval", [Answer(question="Allow?", answer=["Approve"])])
+    interrupted = Interruption(delivered=handed, note="Bash `make deploy` ran, exit code 0")
+    r = await run(steps(DEPLOY), "yes", interrupted=interrupted)
+    assert r.out[0] == (
+        "My previous turn was interrupted before it ended. It had been handed the person "
+        "approved `Bash` (prompt prm_1). Bash `make deploy` ran, exit code 0. I will not repeat "
+        "anything of it unasked."
+    )
+    assert r.out[1] == "Ran Bash `make deploy`:\ndeployed"
+    assert len(r.handle.asked) == 1
