@@ -22,7 +22,7 @@ from ulid import ULID
 
 from broker import _scripts
 from broker._codec import body, ms_datetime
-from broker.errors import BadItem, BrokerUnavailable, Fenced
+from broker.errors import BadItem, BrokerUnavailable, Fenced, ThreadNotFound
 from broker.keys import check_thread_id
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ def _fenced(thread_id: str, epoch: int, reply: list[Any]) -> Fenced:
 logger = logging.getLogger("broker")
 
 #: Scripts of this module the broker's script table may not list yet (it lives elsewhere).
-_OWN_SCRIPTS = ("interrupt",)
+_OWN_SCRIPTS = ("interrupt", "close")
 #: A delivery whose reply was lost on a dropped connection is tried once more with its token.
 _ATTEMPTS = 2
 _LINK_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
@@ -451,14 +451,17 @@ class Sessions:
         return item_id if reply[0] == "spent" else None
 
     async def close(self, thread_id: str, reason: str = "thread_closed") -> None:
-        """End the thread: cancel its open prompt with `reason`, and let no replica hold it."""
+        """End the thread: let no replica hold it (close.lua), then cancel its open prompt with
+        `reason`. `ThreadNotFound` (nothing written) when the thread has no session.
+
+        Closed first: from then on its last holder is fenced and no surface may answer, so the
+        cancel cannot race an ask or an answer. Closing a closed thread again changes nothing.
+        """
+        reply = await self._call("close", [self._b.thread(thread_id).session], [])
+        if reply[0] == "missing":
+            raise ThreadNotFound(thread_id)
         await self._b.cancel(thread_id, reason)
-        tk = self._b.thread(thread_id)
-        pipe = self._b.redis.pipeline(transaction=False)
-        pipe.hset(tk.session, mapping={"status": "closed", "owner": "", "lease_until": 0})
-        pipe.hincrby(tk.session, "epoch", 1)
-        pipe.zrem(self._b.keys.leases, thread_id)
-        await pipe.execute()
+        await self._b.redis.zrem(self._b.keys.leases, thread_id)
 
     async def holders(self) -> dict[str, int]:
         """Every thread in the lease index with its deadline (ms; 0 means unowned)."""

@@ -26,6 +26,7 @@ from broker import (
     PromptCancelled,
     Question,
     Session,
+    ThreadNotFound,
     verdict,
 )
 from tests.conftest import BrokerFactory
@@ -827,3 +828,35 @@ async def test_sweep_finds_work_whose_bell_was_missed(fleet: Fleet, person: Brok
     await person.post_item("t1", text("again"))
     items = await turn_ends(person, "t1", n=2)
     assert outputs(items) == ["hello", "hello"]
+
+
+# -- closing ---------------------------------------------------------------------------------
+
+
+async def test_close_an_unknown_thread_writes_nothing(person: Broker) -> None:
+    """Closing a thread that has no session raises ThreadNotFound and leaves no partial record:
+    the thread can still be created afterwards."""
+    with pytest.raises(ThreadNotFound):
+        await person.sessions.close("nosuch")
+    assert await person.redis.exists(person.thread("nosuch").session) == 0
+    assert await person.sessions.get("nosuch") is None
+    created = await person.sessions.create("nosuch", "scripted", "approval", ASK)
+    assert created.status == "idle"
+
+
+async def test_close_fences_the_holder_and_cancels_the_open_prompt(
+    fleet: Fleet, person: Broker
+) -> None:
+    """Closing a held thread moves its epoch on (its holder is fenced), frees it, cancels its
+    open prompt with the reason; closing it again changes nothing."""
+    await fleet.start("r1")
+    await start_thread(person, "c1", ASK)
+    p = await active(person, "c1")
+    before = await session(person, "c1")
+    await person.sessions.close("c1", "done here")
+    after = await session(person, "c1")
+    assert after.status == "closed" and after.owner == "" and after.epoch == before.epoch + 1
+    prompt = await person.get_prompt("c1", p.prompt_id)
+    assert prompt.state == "cancelled" and prompt.reason == "done here"
+    await person.sessions.close("c1")
+    assert (await session(person, "c1")).epoch == after.epoch
