@@ -533,6 +533,27 @@ async def status_is(b: Broker, thread_id: str, status: str) -> Session:
     return await until(check, f"{thread_id} to be {status}")
 
 
+#: What Codex itself says of a call it was told `cancel` / `decline` for, and of the turn it
+#: ended: that a person refused or interrupted. The model must never read these from us.
+FOREIGN_REFUSALS = (
+    "aborted by user",
+    "rejected by user",
+    "interrupted the previous turn on purpose",
+    "aborted",
+)
+
+
+def last_out(req: Any) -> str:
+    """The newest tool output the model was given (before or after the newest message)."""
+    return next(reversed(req.outputs().values()), "")
+
+
+def assert_no_foreign_refusal(req: Any) -> None:
+    for said in req.texts():
+        for words in FOREIGN_REFUSALS:
+            assert words not in said, f"the model read {words!r}: {said[:300]!r}"
+
+
 def bash(command: str) -> str:
     """The command string Codex reports for a shell call (and puts in the grant key)."""
     return f"/bin/bash -lc '{command}'"
@@ -671,13 +692,19 @@ async def test_guarded_gate_decides_before_anyone_is_asked(solo: Solo) -> None:
     assert solo.gate_calls[0][2]["command"] == bash(cmd)
 
     target.unlink()
+    before = len(solo.fake.requests)
     result = await solo.turn(
         f"run!: {cmd}", Handle(), permissions="guarded", gate=GateVerdict("deny", rule="r1")
     )
     assert result.status == "completed"
     assert not target.exists()
-    assert solo.wire.replies(COMMAND)[-1] == {"decision": "decline"}
-    assert "rejected by user" in (solo.fake.requests[-1].last_output or "")
+    # Codex offers no `decline` for commands: `cancel`, and the model's very next request says
+    # who refused, in our words (never Codex's "rejected by user" / "aborted by user")
+    assert solo.wire.replies(COMMAND)[-1] == {"decision": "cancel"}
+    told = solo.fake.requests[before + 1]
+    assert "Denied by policy rule 'r1'" in last_out(told)
+    assert "Denied by policy rule 'r1'" in told.user_text and "not by a person" in told.user_text
+    assert_no_foreign_refusal(told)
 
     handle = Handle(["Approve"])
     result = await solo.turn(
@@ -687,9 +714,45 @@ async def test_guarded_gate_decides_before_anyone_is_asked(solo: Solo) -> None:
     assert target.read_text() == "gated\n"
     # under `approval` a gate is ignored: the person is asked
     handle = Handle(["Deny"])
+    before = len(solo.fake.requests)
     await solo.turn(f"run!: {cmd}", handle, permissions="approval", gate=GateVerdict("allow"))
     assert len(handle.asks) == 1
-    assert solo.wire.replies(COMMAND)[-1] == {"decision": "decline"}
+    assert solo.wire.replies(COMMAND)[-1] == {"decision": "cancel"}
+    told = solo.fake.requests[before + 1]
+    assert last_out(told).startswith("The person denied approval to run")
+    assert "The person denied your request" in told.user_text
+    assert_no_foreign_refusal(told)
+
+
+async def test_guarded_asks_for_every_command(solo: Solo) -> None:
+    """Under `guarded` Codex runs `untrusted` whatever the thread's config says, so even the
+    commands its sandbox would run unasked (a read, a write inside the workspace) reach the
+    gate; under `approval` with `on-request` they do not (the gap the guarded mode closes)."""
+    (solo.work / "f.txt").write_text("hello\n")
+    steps = "run: cat f.txt\nrun: echo hi > g.txt\npatch: p.txt hello"
+    config = codex_config(solo.fake) | {"approval_policy": "on-request"}
+    result = await solo.turn(
+        steps, Handle(), permissions="guarded", gate=GateVerdict("allow"), config=config
+    )
+    assert result.status == "completed"
+    (start,) = solo.wire.sent("thread/start")
+    assert start["params"]["approvalPolicy"] == "untrusted"
+    assert [(m, p.get("command")) for _, m, p in solo.gate_calls] == [
+        (COMMAND, bash("cat f.txt")),
+        (COMMAND, bash("echo hi > g.txt")),
+        (FILE_CHANGE, None),
+    ]
+    assert (solo.work / "g.txt").read_text() == "hi\n"
+    assert (solo.work / "p.txt").read_text() == "hello\n"
+
+    solo.gate_calls.clear()
+    handle = Handle()
+    result = await solo.turn(
+        steps.replace("g.txt", "h.txt").replace("p.txt", "q.txt"), handle, config=config
+    )
+    assert result.status == "completed"
+    assert handle.asks == [] and solo.gate_calls == []  # ran unseen under on-request
+    assert (solo.work / "h.txt").exists() and (solo.work / "q.txt").exists()
 
 
 async def test_autonomous_never_asks(solo: Solo) -> None:
@@ -713,21 +776,32 @@ async def test_refusals_nobody_made_are_not_denials(solo: Solo) -> None:
     result = await solo.turn(f"run!: {cmd}", Handle(PromptUnavailable("solo", "redis down")))
     assert result.status == "completed"
     assert not target.exists()
+    # `cancel`: Codex offers no `decline` for commands (its availableDecisions)
+    (asked,) = [m for _, m in solo.wire.server_requests() if m["method"] == COMMAND]
+    assert "decline" not in asked["params"]["availableDecisions"]
     assert solo.wire.replies(COMMAND) == [{"decision": "cancel"}]
-    assert len(solo.fake.requests) == 1  # cancelled: no further model call in that turn
-    assert result.state is not None
-    (note,) = result.state["notes"]
-    assert "could not be put to a person (redis down)" in note and "Nobody refused" in note
+    # the model's very next request carries our words, at once: nobody has written since
+    assert len(solo.fake.requests) == 2
+    told = solo.fake.requests[1]
+    for text_ in (last_out(told), told.user_text):
+        assert text_.startswith("Approval unavailable: the request for approval to run")
+        assert "could not be put to a person (redis down)" in text_
+        assert "nobody refused it" in text_
+    assert_no_foreign_refusal(told)
+    assert result.state is not None and "notes" not in result.state  # told: not told again
 
     result = await solo.turn("say: ok", Handle(), state=result.state)
-    assert "Nobody refused it" in solo.fake.requests[-1].user_text
-    assert result.state is not None and "notes" not in result.state
+    assert "Approval unavailable" not in solo.fake.requests[-1].user_text
+    assert_no_foreign_refusal(solo.fake.requests[-1])  # the stored transcript keeps our words
 
+    before = len(solo.fake.requests)
     result = await solo.turn(
         f"run!: {cmd}", Handle(PromptCancelled("prm_x", "superseded")), state=result.state
     )
     assert solo.wire.replies(COMMAND)[-1] == {"decision": "cancel"}
-    assert result.state is not None and "cancelled (superseded)" in result.state["notes"][0]
+    told = solo.fake.requests[before + 1]
+    assert "cancelled (superseded) before anyone answered" in told.user_text
+    assert_no_foreign_refusal(told)
     assert not target.exists()
 
 
@@ -739,8 +813,13 @@ async def test_questions_nobody_answered_interrupt_the_turn(solo: Solo) -> None:
     assert result.status == "completed"
     assert solo.wire.replies(USER_INPUT) == [{"answers": {}}]
     (interrupt,) = solo.wire.sent("turn/interrupt")
-    assert len(solo.fake.requests) == 1  # no model call saw an empty answer
     assert interrupt["params"]["threadId"] == result.state["codex_thread"]  # type: ignore[index]
+    # the next model call is the follow-up that says why: never an empty answer
+    assert len(solo.fake.requests) == 2
+    told = solo.fake.requests[1]
+    assert last_out(told).startswith("Question unavailable:")
+    assert "could not be put to a person (redis down)" in told.user_text
+    assert_no_foreign_refusal(told)
 
 
 async def test_parked_state_resumes_the_same_codex_thread(solo: Solo) -> None:
@@ -760,10 +839,15 @@ async def test_parked_state_resumes_the_same_codex_thread(solo: Solo) -> None:
     assert asked_state is not None and asked_state["codex_thread"] == state["codex_thread"]
     assert len(solo.store.data[f"codex:{state['codex_thread']}"]) >= 5
 
+    assert len(solo.fake.requests) == 1  # parked: the turn ends, nobody is told anything yet
+
     resume = "Your request to use `x` was APPROVED by the person. Retry it now."
     handle = Handle(["Approve"])
     result = await solo.turn(resume, handle, state=state)
     assert result.status == "completed"
+    told = solo.fake.requests[1]
+    assert next(iter(told.outputs().values()), "").startswith("Approval pending")
+    assert_no_foreign_refusal(told)
     assert target.read_text() == "parked\n"
     (resumed,) = solo.wire.sent("thread/resume")
     assert resumed["params"]["threadId"] == state["codex_thread"]
@@ -815,9 +899,13 @@ async def test_command_declined_is_not_run(rig: Rig, person: Broker) -> None:
     await person.post_item("t1", text("no, not now"))
     items = await turn_ends(person, "t1")
     assert not (work / "declined.txt").exists()
-    assert r.wire.replies(COMMAND) == [{"decision": "decline"}]
-    assert "rejected by user" in (rig.fake.requests[-1].last_output or "")
-    assert outputs(items) == [f"done: {rig.fake.requests[-1].last_output}"]
+    # no `decline` is offered for commands: `cancel`, and the model is told at once who refused
+    assert r.wire.replies(COMMAND) == [{"decision": "cancel"}]
+    told = rig.fake.requests[-1]
+    assert last_out(told).startswith("The person denied approval to run")
+    assert told.user_text.startswith("The person denied your request")
+    assert_no_foreign_refusal(told)
+    assert outputs(items) == [f"noted: {told.user_text}"]
 
 
 async def test_command_cancelled_when_the_run_ends(rig: Rig, person: Broker) -> None:
@@ -833,11 +921,12 @@ async def test_command_cancelled_when_the_run_ends(rig: Rig, person: Broker) -> 
     assert (await person.get_prompt("t1", p.prompt_id)).state == "cancelled"
     assert not (work / "cancelled.txt").exists()
     assert r.wire.replies(COMMAND) == [{"decision": "cancel"}]
-    assert len(rig.fake.requests) == 1  # the turn stopped: no model call after the refusal
-    s = await session(person, "t1")
-    assert s.state is not None
-    assert "cancelled (run ended)" in s.state["notes"][0]
-    assert "Nobody refused" in s.state["notes"][0]
+    # the model's next request (the follow-up turn, at once) says so, in our words
+    assert len(rig.fake.requests) == 2
+    told = rig.fake.requests[1]
+    assert "cancelled (run ended) before anyone answered" in told.user_text
+    assert "nobody refused it" in last_out(told)
+    assert_no_foreign_refusal(told)
 
 
 async def test_file_change_approved_for_the_session(rig: Rig, person: Broker) -> None:
@@ -930,27 +1019,30 @@ async def test_guarded_policy_on_a_replica(rig: Rig, person: Broker) -> None:
     await person.sessions.create(
         "t1", "codex", "guarded", codex_config(rig.fake), str(work), policy=policy
     )
-    steps = [
-        f"run!: echo allowed > {work}/allowed.txt",
-        f"run!: rm -f {work}/allowed.txt",
-        f"run!: echo asked > {work}/asked.txt",
-    ]
+    (work / "keep.txt").write_text("kept\n")
+    steps = ["run: echo allowed", f"run: rm -f {work}/keep.txt"]
     await person.post_item("t1", text("\n".join(steps)))
-    p = await active(person, "t1")
-    assert p.kind == "approval"
-    assert p.questions[0].grant_key == f"{COMMAND}:{bash(f'echo asked > {work}/asked.txt')}"
-    assert (work / "allowed.txt").read_text() == "allowed\n"  # allowed: ran, nobody asked
-    await person.post_item("t1", text("yes"))
     items = await turn_ends(person, "t1")
-    assert (work / "asked.txt").read_text() == "asked\n"
-    assert (work / "allowed.txt").exists()  # the rm was refused
-    assert r.wire.replies(COMMAND) == [
-        {"decision": "accept"},
-        {"decision": "decline"},
-        {"decision": "accept"},
-    ]
+    assert "allowed" in rig.fake.requests[1].last_output  # type: ignore[operator]
     (denied,) = of_type(items, "policy_denied")
     assert denied.metadata["rule"] == "no-rm"
+    told = rig.fake.requests[-1]  # the rm refused: the model hears the rule at once
+    assert "Denied by policy rule 'no-rm'" in told.user_text
+    assert_no_foreign_refusal(told)
+
+    await person.post_item("t1", text(f"run: touch {work}/asked.txt"))
+    p = await active(person, "t1")
+    assert p.kind == "approval"
+    assert p.questions[0].grant_key == f"{COMMAND}:{bash(f'touch {work}/asked.txt')}"
+    await person.post_item("t1", text("yes"))
+    items = await turn_ends(person, "t1", 2)
+    assert (work / "asked.txt").exists()
+    assert (work / "keep.txt").exists()  # the rm was refused
+    assert r.wire.replies(COMMAND) == [
+        {"decision": "accept"},
+        {"decision": "cancel"},
+        {"decision": "accept"},
+    ]
     assert len(of_type(items, "pending_prompt")) == 1
 
 
@@ -968,7 +1060,8 @@ async def _resumed_elsewhere(person: Broker, a: Running, b: Running, work: Path,
     assert b.wire.replies(COMMAND) == [{"decision": "accept"}]  # the retry, through the grant
     assert len(of_type(items, "pending_prompt")) == 1  # nobody was asked twice
     (granted,) = of_type(items, "approval_granted")
-    assert granted.metadata.get("prompt_id", p.prompt_id)
+    assert granted.metadata["granted_by"] == p.prompt_id
+    assert granted.metadata["subject"] == COMMAND
     assert (await person.get_prompt("t1", p.prompt_id)).state == "answered"
     s = await session(person, "t1")
     assert s.owner == b.id and s.grant is None

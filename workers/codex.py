@@ -16,8 +16,10 @@ The thread's harness config (every key optional; anything else is refused with `
   (`wire_api = "responses"`), else Codex's default provider.
 - `api_key`, or `api_key_env` (the name of an environment variable of the replica holding it):
   the provider's key, handed to Codex in its environment, never written to disk.
-- `approval_policy`: `on-request` (default) or `untrusted`, under `approval` and `guarded`
-  permissions; `autonomous` always runs `never`.
+- `approval_policy`: `on-request` (default) or `untrusted`, under `approval` permissions;
+  `guarded` always runs `untrusted` (Codex then asks for every command and file change, so the
+  worker's deny rules see every call; under `on-request` its sandbox runs what it allows
+  unasked), and `autonomous` always runs `never`.
 - `sandbox`: `read-only`, `workspace-write` (default) or `danger-full-access`; `autonomous`
   always runs `danger-full-access`.
 
@@ -29,20 +31,35 @@ Server requests become prompts through `turn.handle.ask`, one at a time:
   `item/permissions/requestApproval` ask an `approval` (subject: the method; grant key
   `<method>:<command>` for commands only). Options: `Approve`, `Deny`, and `Approve for this
   session` where the request offers a session-wide approval. Replies use Codex's vocabulary:
-  `accept` / `acceptForSession` for an approval, `decline` for a person's denial (or a policy
-  `deny`), and `cancel` (which also interrupts Codex's turn) when nobody refused: the prompt was
-  cancelled, could not be delivered, or parked. A permissions request is answered `{permissions,
-  scope}`: the requested profile with scope `turn` or `session`, or an empty profile.
+  `accept` / `acceptForSession` for an approval; `decline` for a person's denial only where the
+  request offers it (its `availableDecisions`; Codex 0.171.0 offers none for commands, so a
+  denied command gets `cancel`); `cancel` otherwise: a policy `deny`, and whenever nobody
+  refused (the prompt was cancelled, could not be delivered, or parked). A permissions request
+  is answered `{permissions, scope}`: the requested profile with scope `turn` or `session`, or
+  an empty profile (and its turn interrupted).
 - `item/tool/requestUserInput` asks an `ask_user_question` (one question per Codex question; free
   text is always accepted, as Codex offers "Other"), answered `{answers: {<id>: {answers:
   [...]}}}`. Its reply has no refusal, so when nobody answered, the turn is interrupted first.
 - Any other server request is answered at once: a refusal in its own vocabulary where it has one
   (`cancel`, `abort`, a failed dynamic tool call), else a JSON-RPC error. Never silence.
 
-When a prompt could not be delivered or was cancelled, the agent is also told, at the start of
-its next turn, that nobody refused it. Under `guarded` permissions `turn.gate("codex", method,
-params)` decides first: `allow` approves, `deny` declines, `ask` asks a person. Agent messages are
-posted with `turn.emit`.
+`cancel` makes Codex write "aborted by user" as the call's output and "The user interrupted the
+previous turn on purpose" after it, neither true. The transcript is rewritten as it is stored
+(see `_sync`): the model reads our words there instead (`Approval unavailable: ...`, `Denied by
+policy rule ...`, `The person denied ...`, `Approval pending: ...`). Except when parked, a
+follow-up turn starts at once with the same words as its input, so the model's very next
+request carries them (Codex's `turn/steer` cannot: a cancelled turn is over, and `decline`
+would show the model "rejected by user" in that same request).
+
+Every call is recorded as it goes (`workers.codex_transcript`: its approval request, our reply
+before it is sent, its result and the transcript up to its output the moment Codex reports it),
+so after a crash `describe_interruption` says "ran, exit code N" or "was interrupted; it may or
+may not have taken effect", and the next turn (`Turn.interrupted`) resumes a transcript that
+ends in that truth rather than in Codex's "aborted".
+
+Under `guarded` permissions `turn.gate("codex", method, params)` decides first: `allow`
+approves, `deny` refuses (as above), `ask` asks a person. Agent messages are posted with
+`turn.emit`.
 
 Parking: when `handle.ask` raises `PromptParked`, the harness answers `cancel` (or interrupts),
 lets the turn end, and returns `parked` with the Codex thread in `state` (also stored with the
@@ -69,14 +86,24 @@ import shutil
 import signal
 import tempfile
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
 
 from broker import Answer, BadItem, Kind, Option, PromptCancelled, PromptUnavailable, Question
 from broker.answers import is_affirmative
+from workers.codex_transcript import (
+    CALLS_KEY,
+    Call,
+    calls_of,
+    dangling_calls,
+    describe,
+    interrupted_writer,
+    output_line,
+    rewrite_line,
+)
 from workers.harness import AgentStore, GateVerdict, PromptParked, Turn, TurnResult
 
 logger = logging.getLogger("workers.codex")
@@ -581,6 +608,8 @@ class _NotAnswered:
 
 
 _Outcome = list[Answer] | _NotAnswered
+#: A write for the ledger's queue, and the future told whether it was stored (or None).
+_Job = tuple[Callable[[], Awaitable[None]], "asyncio.Future[bool] | None"]
 
 
 class _Run:
@@ -604,6 +633,14 @@ class _Run:
         self.lock = asyncio.Lock()  # one question to a person at a time
         self.parked: PromptParked | None = None
         self.notes: list[str] = []  # told to the agent at the start of its next turn
+        # Calls this harness stopped with `cancel` (or by interrupting), by call id: the output
+        # the model reads for each instead of Codex's "aborted by user" (see `_sync`).
+        self.told: dict[str, str] = {}
+        self.aborted: str | None = None  # replaces Codex's "<turn_aborted>" message, if we ended it
+        self.follow_up = False  # tell the agent at once, in a follow-up turn (see `run_turn`)
+        self.known: set[str] = set()  # call ids already in the ledger
+        self.records: asyncio.Queue[_Job | None] = asyncio.Queue()
+        self.recorder: asyncio.Task[None] | None = None
         self.items: dict[str, dict[str, Any]] = {}  # item/started, by id (file changes)
         self.tasks: set[asyncio.Task[None]] = set()
         self.emits: asyncio.Queue[str | None] = asyncio.Queue()
@@ -614,7 +651,14 @@ class _Run:
 
     @property
     def policy(self) -> str:
-        return "never" if self.turn.permissions == "autonomous" else self.cfg.approval_policy
+        if self.turn.permissions == "autonomous":
+            return "never"
+        if self.turn.permissions == "guarded":
+            # `untrusted` asks for every command and every file change, whatever the sandbox:
+            # the only policy under which the worker's deny rules see every call. Under
+            # `on-request` Codex runs what its sandbox allows without asking anyone.
+            return "untrusted"
+        return self.cfg.approval_policy
 
     @property
     def sandbox(self) -> str:
@@ -637,6 +681,7 @@ class _Run:
         await self._spawn()
         assert self.rpc is not None
         self.emitter = asyncio.create_task(self._emit_loop(), name="codex emit")
+        self.recorder = asyncio.create_task(self._record_loop(), name="codex ledger")
         await self.rpc.call(
             "initialize",
             {
@@ -652,7 +697,11 @@ class _Run:
         if self.rollout is None or self.rollout.codex_thread != self.thread_id:
             rel = _relative(path, self.home)
             self.rollout = _Rollout(self.thread_id, rel) if _ROLLOUT.fullmatch(rel) else None
-        text = "\n\n".join([*self._old_notes(state), self.turn.prompt]).strip() or "(continue)"
+        if self.rollout is not None:
+            start = state.get("writer") if isinstance(state.get("writer"), str) else None
+            self._record_later({"ev": "turn", "from": start, "codex_thread": self.thread_id})
+        told = [*self._interruption(), *self._old_notes(state), self.turn.prompt]
+        text = "\n\n".join(told).strip() or "(continue)"
         started = await self.rpc.call(
             "turn/start",
             {
@@ -666,6 +715,22 @@ class _Run:
         self.turn_id = str(started["turn"]["id"])
         finished = await self._wait_turn()
         return await self._result(finished)
+
+    def _interruption(self) -> list[str]:
+        """What the agent is told first when its previous turn was cut off."""
+        cut = self.turn.interrupted
+        if cut is None:
+            return []
+        parts = ["Your previous turn was cut off before it ended: the replica running it stopped."]
+        if cut.note:
+            parts.append(cut.note.rstrip(".") + ".")
+        if cut.delivered is not None:
+            subject = cut.delivered.subject or "your"
+            parts.append(
+                f"Before it stopped you had been given the person's answer to the {subject}"
+                " request; it is not given again."
+            )
+        return [" ".join(parts)]
 
     def _old_notes(self, state: dict[str, Any]) -> list[str]:
         notes = state.get("notes")
@@ -714,6 +779,7 @@ class _Run:
     async def _result(self, finished: dict[str, Any]) -> TurnResult:
         await self._drain_emits()
         await self._stop_process()
+        await self._drain_records()
         await self._sync()
         state = self._state()
         status = finished.get("status")
@@ -725,11 +791,16 @@ class _Run:
             return TurnResult("failed", state=state, error=f"codex: {message or 'turn failed'}")
         return TurnResult("completed", state=state)
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self, *, open: bool = False) -> dict[str, Any]:
+        """The harness state; `open` for one stored with a question, in the middle of the turn
+        (so a replica that finds the turn cut off knows which turn's ledger to read)."""
         state: dict[str, Any] = {"codex_thread": self.thread_id}
         if self.rollout is not None:
             state["rollout"] = self.rollout.rel
             state["segments"] = self.rollout.state_segments()
+            state["writer"] = self.rollout.writer
+            if open:
+                state["open"] = True
         if self.notes:
             state["notes"] = list(self.notes)
         return state
@@ -790,6 +861,8 @@ class _Run:
         """Whatever happened, leave nothing running."""
         for task in self.tasks:
             task.cancel()
+        if self.recorder is not None and not self.recorder.done():
+            self.recorder.cancel()
         if self.emitter is not None and not self.emitter.done():
             self.emitter.cancel()
         await self._stop_process(graceful=False)
@@ -832,14 +905,19 @@ class _Run:
         assert isinstance(params, dict)
         if method == "item/started":
             item = params.get("item")
-            if isinstance(item, dict) and item.get("type") == "fileChange":
-                self.items[str(item.get("id"))] = item
+            if isinstance(item, dict) and item.get("type") in ("fileChange", "commandExecution"):
+                item_id = str(item.get("id"))
+                if item.get("type") == "fileChange":
+                    self.items[item_id] = item
+                self._record_call(item_id, _item_what(item), _item_kind(item), asked=False)
         elif method == "item/completed":
             item = params.get("item")
             if isinstance(item, dict) and item.get("type") == "agentMessage":
                 text = item.get("text")
                 if isinstance(text, str) and text.strip():
                     self.emits.put_nowait(text)
+            elif isinstance(item, dict) and item.get("type") in ("fileChange", "commandExecution"):
+                self._record_result(item)
         elif (
             method == "turn/completed"
             and params.get("threadId") in (None, self.thread_id)
@@ -847,6 +925,75 @@ class _Run:
         ):
             turn = params.get("turn")
             self.done.set_result(turn if isinstance(turn, dict) else {})
+
+    # -- the call ledger (workers.codex_transcript) ------------------------------------------
+
+    async def _record_loop(self) -> None:
+        """Ledger entries and rollout copies, one at a time and in order."""
+        while (job := await self.records.get()) is not None:
+            action, done = job
+            try:
+                await action()
+            except Exception as e:  # Redis down: the record is lost, the turn goes on
+                logger.warning("codex.record_failed", extra={"error": repr(e)})
+                if done is not None and not done.done():
+                    done.set_result(False)
+                continue
+            if done is not None and not done.done():
+                done.set_result(True)
+
+    def _append_entry(self, entry: dict[str, Any]) -> Callable[[], Awaitable[None]]:
+        store, writer = self.turn.store, self.rollout.writer if self.rollout else None
+
+        async def append() -> None:
+            if store is not None and writer is not None:
+                await store.append(CALLS_KEY, [{"w": writer, **entry}])
+
+        return append
+
+    def _record_later(self, entry: dict[str, Any]) -> None:
+        self.records.put_nowait((self._append_entry(entry), None))
+
+    async def _record_now(self, entry: dict[str, Any]) -> bool:
+        """Record `entry` before going on; False when it could not be stored."""
+        if self.turn.store is None or self.rollout is None:
+            return True  # nothing is kept across turns: nobody will read it
+        if self.recorder is None or self.recorder.done():
+            return False
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.records.put_nowait((self._append_entry(entry), done))
+        return await done
+
+    def _record_call(self, item_id: str, what: str, kind: str, *, asked: bool) -> None:
+        if not item_id or (item_id in self.known and not asked):
+            return
+        self.known.add(item_id)
+        self._record_later(
+            {"ev": "call", "id": item_id, "what": what, "kind": kind, "asked": asked}
+        )
+
+    def _record_result(self, item: dict[str, Any]) -> None:
+        """A call finished: record it, and copy the transcript up to its output at once, so
+        a replica killed from now on leaves the truth behind."""
+        item_id = str(item.get("id"))
+        code = item.get("exitCode")
+        self._record_call(item_id, _item_what(item), _item_kind(item), asked=False)
+        self._record_later(
+            {
+                "ev": "result",
+                "id": item_id,
+                "status": str(item.get("status") or ""),
+                "exit": code if isinstance(code, int) and not isinstance(code, bool) else None,
+            }
+        )
+        self.records.put_nowait((lambda: self._sync(wait_for=_output_of(item_id)), None))
+
+    async def _drain_records(self) -> None:
+        if self.recorder is None or self.recorder.done():
+            return
+        await self.records.put(None)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.recorder), 10)
 
     # -- server requests ---------------------------------------------------------------------
 
@@ -895,9 +1042,9 @@ class _Run:
         async with self.lock:
             if self.parked is not None:
                 return _NotAnswered("parked")
-            await self._sync(wait_for=item_id)
+            await self._sync_now(wait_for=item_id.encode().__contains__)
             try:
-                return await self.turn.handle.ask(kind, questions, state=self._state())
+                return await self.turn.handle.ask(kind, questions, state=self._state(open=True))
             except PromptParked as e:
                 self.parked = e
                 return _NotAnswered("parked")
@@ -910,8 +1057,17 @@ class _Run:
                 raise
 
     async def _approval(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        item_id = str(params.get("itemId", ""))
+        changes = self.items.get(item_id, {}).get("changes")
+        what = _what(method, params)
+        if item_id:
+            self.known.add(item_id)
+            call = _call_what(method, params, changes)
+            kind = {COMMAND: "command", FILE_CHANGE: "file"}.get(method, "permissions")
+            entry = {"ev": "call", "id": item_id, "what": call, "kind": kind, "asked": True}
+            await self._record_now(entry)
         if self.turn.permissions == "autonomous":  # Codex runs `never`: it should not ask
-            return approval_payload(method, params, "accept")
+            return await self._reply(method, params, item_id, "accept")
         if self.turn.permissions == "guarded" and self.turn.gate is not None:
             try:
                 verdict = await self.turn.gate("codex", method, params)
@@ -919,43 +1075,108 @@ class _Run:
                 logger.exception("codex.gate_failed", extra={"method": method})
                 verdict = GateVerdict("deny", rule="policy_evaluation_error")
             if verdict.action == "allow":
-                return approval_payload(method, params, "accept")
+                return await self._reply(method, params, item_id, "accept")
             if verdict.action == "deny":
                 logger.info("codex.policy_denied", extra={"method": method, "rule": verdict.rule})
-                return approval_payload(method, params, "decline")
-        item_id = str(params.get("itemId", ""))
-        changes = self.items.get(item_id, {}).get("changes")
+                refusal = f"Denied by policy rule '{verdict.rule or 'default'}'"
+                return await self._refuse(
+                    method,
+                    params,
+                    item_id,
+                    output=f"{refusal}: {what} was refused and nothing was run. Nobody was asked.",
+                    note=f"{refusal}: your request for {what} was refused by the worker's policy,"
+                    " not by a person, and nothing was run. Carry on without it.",
+                    why="the worker's policy refused a call",
+                )
         question = approval_question(method, params, changes)
         outcome = await self._ask("approval", [question], item_id)
         if isinstance(outcome, _NotAnswered):
-            self._not_answered(outcome, _what(method, params))
-            if method == PERMISSIONS:
-                await self._interrupt()
-            return approval_payload(method, params, "cancel")
-        return approval_payload(method, params, _decision(outcome))
+            return await self._unanswered(method, params, item_id, outcome, what)
+        decision = _decision(outcome)
+        if decision == "session" and self.turn.permissions == "guarded":
+            decision = "accept"  # a session-wide approval would keep later calls from the gate
+        if decision == "decline" and not _offers(method, params, "decline"):
+            return await self._refuse(
+                method,
+                params,
+                item_id,
+                output=f"The person denied {what}; nothing was run.",
+                note=f"The person denied your request for {what}; nothing was run. Carry on"
+                " without it, or ask them what they would rather you do.",
+                why="the person denied a call",
+            )
+        return await self._reply(method, params, item_id, decision)
+
+    async def _reply(
+        self, method: str, params: dict[str, Any], item_id: str, decision: Decision
+    ) -> dict[str, Any]:
+        """The reply, once the ledger holds it: a crash after this reads as "may have run"."""
+        payload = approval_payload(method, params, decision)
+        recorded = await self._record_now({"ev": "reply", "id": item_id, "decision": decision})
+        if not recorded and decision in ("accept", "session"):
+            # Unrecorded, an approval could run a call that a replica taking over would
+            # report as never run: refuse it instead; asking again will retry.
+            outcome = _NotAnswered("unavailable", "the approval could not be recorded")
+            return await self._unanswered(method, params, item_id, outcome, _what(method, params))
+        return payload
+
+    async def _refuse(
+        self,
+        method: str,
+        params: dict[str, Any],
+        item_id: str,
+        *,
+        output: str,
+        note: str,
+        why: str,
+        follow_up: bool = True,
+    ) -> dict[str, Any]:
+        """Stop a call nobody (or the policy, or a person where `decline` is not offered)
+        approved, in words of our own: `cancel` ends Codex's turn; the model reads `output` as
+        the call's result instead of Codex's "aborted by user" (the transcript is rewritten as
+        it is stored), and `note` right after, in a follow-up turn started at once."""
+        if item_id:
+            self.told[item_id] = output
+        self.aborted = _ended(why)
+        if note:
+            self.notes.append(note)
+        self.follow_up = self.follow_up or follow_up
+        if method == PERMISSIONS:  # its reply has no cancel: interrupt, then grant nothing
+            await self._interrupt()
+        await self._record_now({"ev": "reply", "id": item_id, "decision": "cancel"})
+        return approval_payload(method, params, "cancel")
+
+    async def _unanswered(
+        self, method: str, params: dict[str, Any], item_id: str, outcome: _NotAnswered, what: str
+    ) -> dict[str, Any]:
+        output, note = _unanswered_words(outcome, what)
+        return await self._refuse(
+            method,
+            params,
+            item_id,
+            output=output,
+            note=note,
+            why=_why(outcome),
+            follow_up=outcome.why != "parked",
+        )
 
     async def _user_input(self, params: dict[str, Any]) -> dict[str, Any]:
         questions = user_input_questions(params)
         if not questions:
             return {"answers": {}}
-        outcome = await self._ask("ask_user_question", questions, str(params.get("itemId", "")))
+        item_id = str(params.get("itemId", ""))
+        outcome = await self._ask("ask_user_question", questions, item_id)
         if isinstance(outcome, _NotAnswered):
-            self._not_answered(outcome, "your question")
+            output, note = _unanswered_words(outcome, "an answer to your question", "Question")
+            if item_id:
+                self.told[item_id] = output
+            self.aborted = _ended(_why(outcome))
+            if note:
+                self.notes.append(note)
+            self.follow_up = self.follow_up or outcome.why != "parked"
             await self._interrupt()  # its reply cannot refuse: end the turn before replying
             return {"answers": {}}  # no answer to any question
         return answers_payload(params, outcome)
-
-    def _not_answered(self, outcome: _NotAnswered, what: str) -> None:
-        if outcome.why == "cancelled":
-            self.notes.append(
-                f"Your request for {what} was cancelled ({outcome.detail}) before anyone"
-                " answered, so it was stopped. Nobody refused it."
-            )
-        elif outcome.why == "unavailable":
-            self.notes.append(
-                f"Your request for {what} could not be put to a person ({outcome.detail}), so"
-                " it was stopped. Nobody refused it; asking again will retry."
-            )
 
     async def _interrupt(self) -> None:
         if self.rpc is None or self.thread_id is None or self.turn_id is None:
@@ -968,7 +1189,13 @@ class _Run:
     # -- the rollout -------------------------------------------------------------------------
 
     async def _restore(self, state: dict[str, Any]) -> bool:
-        """Write the stored rollout into this turn's CODEX_HOME; True if it can be resumed."""
+        """Write the stored rollout into this turn's CODEX_HOME; True if it can be resumed.
+
+        After a cut-off turn (`Turn.interrupted`) that turn's lines are taken too, up to the
+        last one it stored (a call's output is stored as soon as Codex reports it). A call left
+        with no output gets one saying what is known of it (`codex_transcript.describe`),
+        which Codex would otherwise fill in as "aborted".
+        """
         codex_thread, rel, segments = (
             state.get("codex_thread"),
             state.get("rollout"),
@@ -978,9 +1205,17 @@ class _Run:
             return False
         if not _ROLLOUT.fullmatch(rel) or ".." in rel.split("/"):
             return False
-        if not isinstance(segments, list) or not segments or self.turn.store is None:
+        store = self.turn.store
+        if not isinstance(segments, list) or not segments or store is None:
             return False
-        entries = await self.turn.store.load(_store_key(codex_thread)) or []
+        entries = await store.load(_store_key(codex_thread)) or []
+        segments = list(segments)
+        ledger: list[Any] | None = None
+        if self.turn.interrupted is not None:
+            ledger = await store.load(CALLS_KEY) or []
+            cut = interrupted_writer(ledger, state)
+            if cut is not None:
+                segments = _extend(segments, cut, entries)
         lines = _restore_lines(entries, segments)
         if not lines:
             await self.turn.emit(
@@ -988,15 +1223,37 @@ class _Run:
                 " starting a new Codex session.)"
             )
             return False
+        extra: list[str] = []
+        dangling = dangling_calls(lines)
+        if dangling:
+            if ledger is None:
+                ledger = await store.load(CALLS_KEY) or []
+            calls = calls_of(ledger)
+            for call_id, call_type in dangling:
+                call = calls.get(call_id) or Call(call_id, "this call", "other")
+                extra.append(
+                    output_line([*lines, *extra], call_id, call_type, describe(call) + ".")
+                )
         path = self.home / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(lines) + "\n")
-        self.rollout = _Rollout(codex_thread, rel, segments=list(segments), base=len(lines))
+        path.write_text("\n".join([*lines, *extra]) + "\n")
+        # The outputs written here are this turn's own lines: the next `_sync` stores them.
+        self.rollout = _Rollout(codex_thread, rel, segments=segments, base=len(lines))
         return True
 
-    async def _sync(self, wait_for: str = "") -> None:
-        """Append the rollout's new complete lines to the store. With `wait_for` (a call id),
-        first wait briefly until Codex has written that call, so a resume sees it."""
+    async def _sync_now(self, wait_for: Callable[[bytes], bool] | None = None) -> None:
+        """`_sync`, in order with the ledger's writes."""
+        if self.recorder is None or self.recorder.done():
+            await self._sync(wait_for)
+            return
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.records.put_nowait((lambda: self._sync(wait_for), done))
+        await done
+
+    async def _sync(self, wait_for: Callable[[bytes], bool] | None = None) -> None:
+        """Append the rollout's new complete lines to the store, in our words where we stopped
+        a call (`codex_transcript.rewrite_line`). With `wait_for`, first wait briefly until
+        Codex has written what it looks for (a call, a call's output), so a resume sees it."""
         r, store = self.rollout, self.turn.store
         if r is None or store is None:
             return
@@ -1008,15 +1265,111 @@ class _Run:
                 data = await asyncio.to_thread(path.read_bytes)
             except OSError:
                 data = b""
-            if not wait_for or wait_for.encode() in data or loop.time() > deadline:
+            if wait_for is None or wait_for(data) or loop.time() > deadline:
                 break
             await asyncio.sleep(0.02)
         complete = data[: data.rfind(b"\n") + 1].decode(errors="replace")
         lines = complete.splitlines()
         new = lines[r.base + r.synced :]
         if new:
-            await store.append(_store_key(r.codex_thread), [{"w": r.writer, "l": x} for x in new])
+            words = [rewrite_line(x, self.told, self.aborted) for x in new]
+            await store.append(_store_key(r.codex_thread), [{"w": r.writer, "l": x} for x in words])
             r.synced += len(new)
+
+
+def _extend(segments: list[Any], writer: str, entries: Sequence[Any]) -> list[Any]:
+    """`segments` with every line `writer` stored, its own segment grown or added last."""
+    count = sum(1 for e in entries if isinstance(e, dict) and e.get("w") == writer and "l" in e)
+    if not count:
+        return segments
+    out = [seg for seg in segments if not (isinstance(seg, list) and seg and seg[0] == writer)]
+    return [*out, [writer, count]]
+
+
+def _output_of(call_id: str) -> Callable[[bytes], bool]:
+    """Does the rollout hold the output of `call_id` yet?"""
+    needle = f'"call_id":"{call_id}"'.encode()
+
+    def check(data: bytes) -> bool:
+        return any(b"_call_output" in line and needle in line for line in data.splitlines())
+
+    return check
+
+
+def _item_kind(item: dict[str, Any]) -> str:
+    return "command" if item.get("type") == "commandExecution" else "file"
+
+
+def _item_what(item: dict[str, Any]) -> str:
+    if item.get("type") == "commandExecution":
+        command = item.get("command")
+        return command if isinstance(command, str) and command else "a command"
+    return _changes_what(item.get("changes"))
+
+
+def _changes_what(changes: object) -> str:
+    paths = (
+        [str(c.get("path")) for c in changes if isinstance(c, dict) and c.get("path")]
+        if isinstance(changes, list)
+        else []
+    )
+    return "the file change to " + ", ".join(paths[:5]) if paths else "a file change"
+
+
+def _call_what(method: str, params: dict[str, Any], changes: object) -> str:
+    """What the ledger calls the call an approval request is for."""
+    if method == COMMAND:
+        return _str(params, "command") or "a command"
+    if method == FILE_CHANGE:
+        return _changes_what(changes)
+    return "a permissions request"
+
+
+def _offers(method: str, params: dict[str, Any], decision: str) -> bool:
+    """May we reply `decision`? Where the request lists `availableDecisions`, only if listed
+    (Codex 0.171.0 lists `accept`, an execpolicy amendment and `cancel` for commands, so a
+    command is never answered `decline`); else if the method's reply has that decision."""
+    offered = params.get("availableDecisions")
+    if isinstance(offered, list):
+        return decision in offered
+    return method != PERMISSIONS
+
+
+def _ended(why: str) -> str:
+    """What the model reads where Codex would say the person interrupted the turn."""
+    return (
+        f"This turn was ended by prompt-broker, not by the person: {why}. Nobody interrupted you."
+    )
+
+
+def _why(outcome: _NotAnswered) -> str:
+    if outcome.why == "parked":
+        return "a question is waiting for a person, and the answer comes back in a later turn"
+    if outcome.why == "cancelled":
+        return f"a question was cancelled before anyone answered ({outcome.detail})"
+    return f"a question could not be put to a person ({outcome.detail})"
+
+
+def _unanswered_words(outcome: _NotAnswered, what: str, head: str = "Approval") -> tuple[str, str]:
+    """`(the call's output, the note)` when nobody answered: never a refusal. `head` is what
+    was asked for (`Approval`, or `Question` for Codex's own questions)."""
+    if outcome.why == "parked":
+        return (
+            f"{head} pending: the request for {what} is waiting for a person. Nothing was run"
+            " and nobody refused it; their answer comes back in your next turn.",
+            "",
+        )
+    if outcome.why == "cancelled":
+        text = (
+            f"{head} unavailable: the request for {what} was cancelled ({outcome.detail})"
+            " before anyone answered. Nothing was run and nobody refused it."
+        )
+        return text, text
+    text = (
+        f"{head} unavailable: the request for {what} could not be put to a person"
+        f" ({outcome.detail}). Nothing was run and nobody refused it; asking again will retry."
+    )
+    return text, text
 
 
 def _relative(path: object, home: Path) -> str:
@@ -1098,8 +1451,25 @@ class CodexHarness:
     async def describe_interruption(
         self, thread_id: str, state: dict[str, Any] | None, store: AgentStore | None
     ) -> str:
-        """Nothing is recorded per call yet, so nothing is known of one in flight."""
-        return ""
+        """The last call of the cut-off turn, from the call ledger (`workers.codex_transcript`):
+        "ran, exit code N" when its result was recorded, "did not run" when it provably did
+        not (refused, or still waiting for approval), else "interrupted; it may or may not
+        have taken effect"."""
+        if store is None:
+            return ""
+        try:
+            ledger = await store.load(CALLS_KEY) or []
+        except Exception:
+            logger.warning("codex.ledger_unreadable", extra={"thread_id": thread_id})
+            return (
+                "What the interrupted turn was doing is not known (its record could not be read);"
+                " check before running its last call again"
+            )
+        writer = interrupted_writer(ledger, state)
+        if writer is None:
+            return ""
+        calls = calls_of(ledger, writer)
+        return describe(list(calls.values())[-1]) if calls else ""
 
     async def run_turn(self, turn: Turn) -> TurnResult:
         try:
@@ -1117,15 +1487,25 @@ class CodexHarness:
         if not self._swept:
             self._swept = True
             await asyncio.to_thread(sweep_homes, self.home_root)
+        result, follow_up = await self._run_once(binary, turn, cfg)
+        if follow_up and result.status == "completed" and turn.store is not None:
+            # Codex's turn was ended on our behalf (nobody could answer, or a refusal Codex's
+            # reply cannot carry): tell the agent now, in a turn of its own, rather than when
+            # the person next writes. Once: a second such stop waits for the next turn.
+            again = replace(turn, prompt="", state=result.state, resume=None, interrupted=None)
+            result, _ = await self._run_once(binary, again, cfg)
+        return result
+
+    async def _run_once(self, binary: str, turn: Turn, cfg: CodexConfig) -> tuple[TurnResult, bool]:
         home = Path(tempfile.mkdtemp(prefix=_HOME_PREFIX, dir=self.home_root))
         (home / _OWNER).write_text(str(os.getpid()))
         run = _Run(self, binary, turn, cfg, home)
         try:
-            return await run.run()
+            return await run.run(), run.follow_up
         except CodexError as e:
             tail = run.stderr_tail()
             error = f"codex: {e}" + (f" (stderr: {tail})" if tail else "")
-            return TurnResult("failed", state=turn.state, error=error)
+            return TurnResult("failed", state=turn.state, error=error), False
         finally:
             await run.close()
             await asyncio.to_thread(shutil.rmtree, home, True)

@@ -61,6 +61,27 @@ class Request:
     step: int  # tool outputs since that message
     last_output: str | None  # the newest tool output, if any
     reply: list[dict[str, Any]] = field(default_factory=list)
+    body: dict[str, Any] = field(default_factory=dict, repr=False)  # the request as sent
+
+    def texts(self) -> list[str]:
+        """Every text the model was given in `input` (messages, tool outputs), oldest first."""
+        out = []
+        for item in self.body.get("input") or []:
+            if not isinstance(item, dict):
+                continue
+            if item.get("type") in _OUTPUTS:
+                out.append(_output_text(item))
+            elif item.get("type", "message") == "message":
+                out.append(_text_of(item))
+        return out
+
+    def outputs(self) -> dict[str, str]:
+        """Every tool output in `input`, by call id."""
+        return {
+            str(i.get("call_id")): _output_text(i)
+            for i in self.body.get("input") or []
+            if isinstance(i, dict) and i.get("type") in _OUTPUTS
+        }
 
 
 def _text_of(item: dict[str, Any]) -> str:
@@ -176,6 +197,7 @@ def plan(body: dict[str, Any]) -> Request:
         history=[_text_of(i) for i in items if _is_user(i)],
         step=len(outputs),
         last_output=last_output,
+        body=body,
     )
     steps = [
         (m[1], m[2])
