@@ -9,8 +9,16 @@ One replica process runs many agent sessions against the shared Redis. Its loops
 - **examine**: whenever a thread's bell rings (an item queued, a prompt resolved, a
   resubscription after a dropped pub/sub connection) and no turn of it is running here, read its
   records and do what they say: resume a parked turn whose prompt was answered, adopt a dead
-  replica's open prompt as parked, or start a turn for queued messages. A slow sweep re-examines
-  every thread, for bells that rang while nobody listened.
+  replica's open prompt as parked, report a turn that was cut off, or start a turn for queued
+  messages. A slow sweep re-examines every thread, for bells that rang while nobody listened.
+
+Nothing is handed to an agent twice. A held answer (deliver.lua) and a parked one taken into a
+resume turn (resume.lua, which also mints the approval's one-shot grant) are each marked
+delivered in one step under the holder's epoch, once per prompt, ever. A turn cut off after that
+(its replica killed, paused past its lease, or cut off from Redis) is never replayed: whoever next
+holds the thread posts one item saying so, with the answer it had been handed and what its harness
+knows of the call in flight (interrupt.lua, which also ends the turn, so the item is posted once),
+and the next turn tells its agent the same before anything else (`Turn.interrupted`).
 
 Waits: an agent's `ask` blocks in place (held) until answered; past `held_waits_max` held waits
 the oldest is demoted to parked: its turn ends, the prompt stays open, and its answer starts a
