@@ -1173,6 +1173,122 @@ def test_preface_tells_the_delivered_answer_and_the_note() -> None:
         "prm_1", "approval", "Bash", [Answer(question="q", answer=["yes"])], "approve"
     )
     told = preface(Interruption(delivered=delivered, note="Bash `x` ran, exit code 0"))
-    assert "approved your request to use Bash" in told and "not repeated" in told
+    assert "you had been handed the person approved `Bash` (prompt prm_1)" in told
     assert told.endswith("Bash `x` ran, exit code 0.]")
     assert preface(None) == ""
+
+
+# -- end to end: two replica processes, the one running an approved command SIGKILLed ------------
+
+RAN_COMMAND = "echo RAN >> {marker}; sleep 8"
+
+
+async def owner_of(person: Broker, thread_id: str) -> str:
+    async def owned() -> str | None:
+        return (await session(person, thread_id)).owner or None
+
+    return await until(owned, f"an owner for {thread_id}", within=SLOW)
+
+
+async def interrupted_item(person: Broker, thread_id: str) -> Item:
+    async def found() -> Item | None:
+        marked = [i for i in await person.items(thread_id) if i.metadata.get("interrupted")]
+        return marked[0] if marked else None
+
+    return await until(found, "the interruption item", within=SLOW)
+
+
+async def crash_an_approved_command(
+    person: Broker,
+    fake: FakeAnthropic,
+    real_redis_url: str,
+    tmp_path: Path,
+    work: Path,
+    *,
+    marker_name: str,
+    kill_when: Callable[[], bool],
+    then: Reply,
+) -> tuple[Item, str, dict[str, Any]]:
+    """Two replica processes; a person approves `echo RAN >> marker; sleep 8`; the replica
+    running it is SIGKILLed when `kill_when()`; the other adopts the thread and the person sends
+    one more message. Returns the interruption item, what the model was told next (the text
+    of the request carrying that message) and the Bash call."""
+    marker = work / "marker"
+    command = RAN_COMMAND.format(marker=marker)
+    async with process_fleet(person, real_redis_url, tmp_path, workers=2) as (fleet, root):
+        script: list[Reply] = [[bash(command)], then, [text("I will check the marker.")]]
+        await new_thread(person, fake, "t1", marker=marker_name, replies=script, work=work)
+        await until(lambda: person.active_prompt("t1"), "the approval prompt", within=SLOW)
+        owner = await owner_of(person, "t1")
+        await person.post_item("t1", say("yes"))
+        await until(lambda: truthy(kill_when()), "the moment to kill", within=SLOW)
+        fleet.kill(owner, signal.SIGKILL)
+        item = await interrupted_item(person, "t1")
+        assert (await session(person, "t1")).owner != owner
+        sent = len(fake.main_requests())
+        await person.post_item("t1", say("What now?"))
+        await ended(person, "t1")
+        told = [last_user_text(r.messages) for r in fake.main_requests()[sent:]]
+        await asyncio.sleep(1.0)
+        assert not [n for n in started_under(root).values() if n == "sleep"]
+    (call,) = fake.tool_uses("Bash")
+    assert content(marker) == "RAN\n"  # it ran once, and nothing ran it again
+    assert told and "What now?" in told[0]
+    return item, told[0], call
+
+
+async def test_replica_killed_while_an_approved_command_runs(
+    person: Broker, fake: FakeAnthropic, real_redis_url: str, tmp_path: Path, work: Path
+) -> None:
+    """Killed mid-command: the person's thread item and the model's next message both say the
+    call was interrupted and may or may not have taken effect (never aborted or failed), and
+    what the turn had been handed (the approval); the command ran once."""
+    marker = work / "marker"
+    item, told, call = await crash_an_approved_command(
+        person,
+        fake,
+        real_redis_url,
+        tmp_path,
+        work,
+        marker_name="E2E-DURING",
+        kill_when=marker.exists,
+        then=[text("Done.")],
+    )
+    note = (
+        f"Bash `{RAN_COMMAND.format(marker=marker)}` was interrupted; it may or may not have "
+        "taken effect; check before running it again"
+    )
+    words = outputs([item])[0]
+    assert note in words and "approved `Bash`" in words
+    assert item.metadata["interrupted"]["note"] == note
+    assert told.startswith("[Your previous turn was cut off") and note in told
+    assert told.index(note) < told.index("What now?")
+    seen = " ".join(r["text"] for r in fake.tool_results(call["id"])).lower()
+    assert "aborted" not in seen and "failed" not in seen
+
+
+async def test_replica_killed_after_the_command_while_the_model_reply_is_pending(
+    person: Broker, fake: FakeAnthropic, real_redis_url: str, tmp_path: Path, work: Path
+) -> None:
+    """Killed after the command finished, while the model's next reply is pending: its result
+    was recorded as it arrived, so the item and the model's next message say it ran, exit
+    code 0; the command ran once."""
+    gate, asked = threading.Event(), threading.Event()
+    try:
+        item, told, call = await crash_an_approved_command(
+            person,
+            fake,
+            real_redis_url,
+            tmp_path,
+            work,
+            marker_name="E2E-AFTER",
+            kill_when=asked.is_set,
+            then=hold_reply(gate, asked),
+        )
+    finally:
+        gate.set()
+    note = f"Bash `{RAN_COMMAND.format(marker=work / 'marker')}` ran, exit code 0"
+    assert note in outputs([item])[0]
+    assert item.metadata["interrupted"]["note"] == note
+    assert note in told and told.index(note) < told.index("What now?")
+    assert "Bash completed" in result_of(fake, call["id"])["text"]

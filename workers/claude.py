@@ -108,6 +108,7 @@ import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
 
@@ -133,6 +134,7 @@ from claude_agent_sdk import (
     TextBlock,
     ToolPermissionContext,
     ToolResultBlock,
+    ToolUseBlock,
     UserMessage,
 )
 
@@ -544,6 +546,8 @@ class _Run:
         self.tmpdir: Path | None = None
         self.logged: set[str] = set()  # calls in the call log this turn
         self.logged_session: str | None = None
+        self.asked_in: dict[str, str] = {}  # tool_use id -> uuid of the assistant entry holding it
+        self.transcript_meta: dict[str, Any] = {}  # cwd, version: as Claude Code writes them
 
     # -- the call log ----------------------------------------------------------------------
 
@@ -582,6 +586,56 @@ class _Run:
                     text = "\n".join(str(c.get("text", "")) for c in raw if isinstance(c, dict))
                 record = claude_calls.result_record(block.tool_use_id, block.is_error, text)
                 await self.log(**record)
+        await self.mirror_result(message)
+
+    async def mirror_result(self, message: UserMessage) -> None:
+        """Put a tool result into the stored transcript as soon as it arrives.
+
+        Claude Code writes its transcript on a timer, so its own copy of a result reaches the
+        store about 0.1 s after the model has been called with it: a replica killed in that
+        window would resume a session that says the call's outcome is unknown, though it ran.
+        The entry written here is the one Claude Code writes (same uuid and parent, so the
+        later copy is a duplicate the store drops), minus bookkeeping fields it does not need to
+        resume."""
+        blocks = message.content if isinstance(message.content, list) else []
+        results = [b for b in blocks if isinstance(b, ToolResultBlock)]
+        if not results or message.parent_tool_use_id or not message.uuid:
+            return
+        parent = self.asked_in.get(results[0].tool_use_id)
+        if self.store is None or not self.session_id or parent is None:
+            return
+        entry = {
+            "parentUuid": parent,
+            "isSidechain": False,
+            "type": "user",
+            "message": {
+                "role": "user",
+                "content": [
+                    {
+                        "tool_use_id": b.tool_use_id,
+                        "type": "tool_result",
+                        "content": b.content,
+                        "is_error": b.is_error,
+                    }
+                    for b in results
+                ],
+            },
+            "uuid": message.uuid,
+            "timestamp": datetime.now(UTC)
+            .isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z"),
+            "toolUseResult": message.tool_use_result,
+            "sourceToolAssistantUUID": parent,
+            "userType": "external",
+            "entrypoint": "sdk-py",
+            "sessionId": self.session_id,
+            **self.transcript_meta,
+        }
+        key: SessionKey = {"project_key": "", "session_id": self.session_id}
+        try:
+            await self.store.append(key, [cast(SessionStoreEntry, entry)])
+        except Exception:
+            logger.warning("claude.result_mirror_failed", extra={"thread_id": self.turn.thread_id})
 
     # -- state -----------------------------------------------------------------------------
 
@@ -881,14 +935,13 @@ class _Run:
 
     async def take(self, message: Any) -> ResultMessage | None:
         if isinstance(message, SystemMessage) and message.subtype == "init":
-            sid = message.data.get("session_id")
-            if isinstance(sid, str) and sid:
-                self.session_id = sid
-                await self.log_session()
+            await self.started(message.data)
         elif isinstance(message, UserMessage):
             await self.log_results(message)  # as each result arrives, not at the turn's end
         elif isinstance(message, AssistantMessage):
             for block in message.content:
+                if isinstance(block, ToolUseBlock) and message.uuid:
+                    self.asked_in[block.id] = message.uuid
                 if isinstance(block, TextBlock) and block.text.strip():
                     await self.turn.emit(block.text)
         elif isinstance(message, ResultMessage):
@@ -896,6 +949,16 @@ class _Run:
                 self.session_id = message.session_id
             return message
         return None
+
+    async def started(self, data: dict[str, Any]) -> None:
+        """The CLI's init message: the session id, and what its transcript entries carry."""
+        sid = data.get("session_id")
+        if isinstance(sid, str) and sid:
+            self.session_id = sid
+            await self.log_session()
+        for ours, theirs in (("cwd", "cwd"), ("version", "claude_code_version")):
+            if isinstance(data.get(theirs), str):
+                self.transcript_meta[ours] = data[theirs]
 
     async def drive(
         self, scratch: Path, cwd: Path, resume: str | None, prompts: list[str], replay: bool

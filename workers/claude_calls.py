@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers.harness import Interruption, Resume
+from workers.harness import Interruption, describe_delivered
 
 __all__ = ["CALLS", "describe", "detail_of", "last_session", "preface", "result_record"]
 
@@ -135,25 +135,14 @@ def last_session(records: Sequence[Any] | None) -> str | None:
     return None
 
 
-def _delivered(resume: Resume) -> str:
-    if resume.kind == "approval":
-        how = "approved" if resume.verdict == "approve" else "denied"
-        words = f' (their words: "{resume.text.strip()}")' if resume.text.strip() else ""
-        return (
-            f"the person had already {how} your request to use {resume.subject or 'a tool'}"
-            f"{words}, and you had been told"
-        )
-    given = "; ".join(", ".join(a.answer) for a in resume.answers if a.answer)
-    return f"the person had already answered your question ({given}), and you had been told"
-
-
 def preface(interruption: Interruption | None) -> str:
     """What the next turn tells the agent before its input, after a cut-off turn ("" if none)."""
     if interruption is None:
         return ""
     parts = ["[Your previous turn was cut off before it ended: the worker running it stopped."]
     if interruption.delivered is not None:
-        parts.append(f"Before that, {_delivered(interruption.delivered)}; it is not repeated.")
+        handed = describe_delivered(interruption.delivered)
+        parts.append(f"Before that, you had been handed {handed}; it is not handed over again.")
     if interruption.note:
         parts.append(interruption.note.rstrip(".") + ".")
     return " ".join(parts) + "]"
