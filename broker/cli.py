@@ -2,14 +2,17 @@
 
     prompt-broker open [--json]
     prompt-broker show THREAD [--json]
-    prompt-broker answer THREAD TEXT [--answers JSON] [--prompt PROMPT_ID] [--author NAME] [--json]
+    prompt-broker answer THREAD TEXT [--answers JSON] [--prompt PROMPT_ID] [--author NAME]
+                         [--create] [--json]
     prompt-broker cancel THREAD [--reason TEXT] [--prompt PROMPT_ID] [--json]
     prompt-broker tail THREAD [--from-start]
 
-Redis is `--redis-url`, else `PROMPT_BROKER_REDIS_URL`, else the default; the key prefix comes from
-`PROMPT_BROKER_KEY_PREFIX` only. A mistake prints one `prompt-broker: error: ...` line on stderr
-and exits 2 (1 for an answer to a prompt that is no longer active). A subcommand is one entry in
-`COMMANDS`: its help line, a function adding its arguments, and an async handler.
+Redis is `--redis-url`, else `PROMPT_BROKER_REDIS_URL`, else the local fleet's (the address
+`prompt-broker up` records in `fleet.json` in its data folder; the command says so on stderr),
+else redis://127.0.0.1:6379/0. The key prefix comes from `PROMPT_BROKER_KEY_PREFIX` only. A
+mistake prints one `prompt-broker: error: ...` line on stderr and exits 2 (1 for an answer to a
+prompt that is no longer active, or to a closed thread). A subcommand is one entry in `COMMANDS`:
+its help line, a function adding its arguments, and an async handler.
 """
 
 from __future__ import annotations
@@ -18,12 +21,16 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 import orjson
 from pydantic import ValidationError
@@ -34,6 +41,7 @@ from broker import (
     BadItem,
     Broker,
     BrokerError,
+    BrokerUnavailable,
     Item,
     Prompt,
     PromptNotFound,
@@ -41,12 +49,27 @@ from broker import (
     Routed,
     Settings,
     StaleAnswer,
+    ThreadClosed,
+    ThreadNotFound,
     __version__,
     render_content,
 )
 from broker.keys import check_prompt_id, check_thread_id
 
-__all__ = ["COMMANDS", "CliError", "Command", "Handler", "Parser", "build_parser", "main"]
+__all__ = [
+    "COMMANDS",
+    "CliError",
+    "Command",
+    "Handler",
+    "LocalFleet",
+    "Parser",
+    "build_parser",
+    "data_home",
+    "fleet_record",
+    "global_args",
+    "main",
+    "read_local_fleet",
+]
 
 logger = logging.getLogger("broker.cli")
 
@@ -57,6 +80,10 @@ TAIL_BLOCK_MS = 5_000
 CONNECT_TIMEOUT = 5.0
 QUESTION_CHARS = 60
 DEFAULT_CANCEL_REASON = "cancelled from the command line"
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+URL_ENV = "PROMPT_BROKER_REDIS_URL"
+#: Seconds `tail` waits between tries while Redis is unreachable (doubling up to the last).
+TAIL_RETRY = (0.2, 0.5, 1.0, 2.0)
 
 
 class CliError(Exception):
@@ -64,6 +91,53 @@ class CliError(Exception):
 
 
 Handler = Callable[[argparse.Namespace, Settings], Coroutine[Any, Any, int]]
+
+
+# -- the local fleet -----------------------------------------------------------------------------
+
+
+def data_home() -> Path:
+    """The data folder of the local fleet (`prompt-broker up`, `scripts/run`): its Redis data
+    and `fleet.json`. `$XDG_DATA_HOME/prompt-broker`, else `~/.local/share/prompt-broker`."""
+    base = os.environ.get("XDG_DATA_HOME", "")
+    if not base:
+        try:
+            base = str(Path.home() / ".local" / "share")
+        except RuntimeError:  # no home directory to be found: the working folder, then
+            base = ".local/share"
+    return Path(base) / "prompt-broker"
+
+
+def fleet_record(data_dir: Path | None = None) -> Path:
+    """Where a local fleet records its Redis address (in `data_dir`, default `data_home()`)."""
+    return (data_home() if data_dir is None else data_dir) / "fleet.json"
+
+
+@dataclass(frozen=True, slots=True)
+class LocalFleet:
+    """What a local fleet recorded about its Redis: where it is and whether it keeps data."""
+
+    url: str
+    port: int
+    keeps_data: bool
+    path: Path
+
+
+def read_local_fleet(data_dir: Path | None = None) -> LocalFleet | None:
+    """The fleet recorded in `data_dir` (default `data_home()`), or None if there is none."""
+    path = fleet_record(data_dir)
+    try:
+        document = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    url = document.get("url") if isinstance(document, dict) else None
+    if not isinstance(url, str) or not url:
+        return None
+    try:
+        port = urlsplit(url).port or 0
+    except ValueError:
+        return None
+    return LocalFleet(url, port, document.get("keeps_data") is True, path)
 
 
 # -- output --------------------------------------------------------------------------------------
@@ -225,6 +299,12 @@ async def _state_of(broker: Broker, thread_id: str, prompt_id: str) -> str:
         return "unknown"
 
 
+async def _require_thread(broker: Broker, thread_id: str) -> None:
+    """A typo must not look like an empty thread: an unknown one is an error."""
+    if not await broker.thread_exists(thread_id):
+        raise ThreadNotFound(thread_id)
+
+
 # -- subcommands ---------------------------------------------------------------------------------
 
 
@@ -273,6 +353,7 @@ async def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
     """The thread's items, then its active prompt and how many items wait in its inbox."""
     thread_id = check_thread_id(args.thread, "THREAD")
     async with _connect(settings) as broker:
+        await _require_thread(broker, thread_id)
         items = await broker.items(thread_id)
         active = await broker.active_prompt(thread_id)
         # LLEN, never take_inbox: looking must not drain the next turn's input.
@@ -324,6 +405,12 @@ def _answer_args(parser: argparse.ArgumentParser) -> None:
         help="answer this prompt only: refused if it is no longer the thread's active one",
     )
     parser.add_argument("--author", metavar="NAME", help="the item's author (default: user)")
+    parser.add_argument(
+        "--create",
+        action="store_true",
+        help="start the thread if it does not exist yet (default: an unknown thread is refused, "
+        "so a typo cannot start one)",
+    )
     _json_arg(parser)
 
 
@@ -333,6 +420,7 @@ _FLAGS = (
     ("metadata.prompt_id", "--prompt"),
     ("author", "--author"),
     ("content", "TEXT"),
+    ("thread_id", "THREAD"),
 )
 
 
@@ -347,9 +435,17 @@ def _answer_item(args: argparse.Namespace) -> dict[str, Any]:
     metadata: dict[str, Any] = {}
     if args.answers is not None:
         try:
-            metadata["answers"] = orjson.loads(args.answers)
+            answers = orjson.loads(args.answers)
         except orjson.JSONDecodeError as e:
             raise CliError(f"--answers: not valid JSON ({e})") from None
+        # Checked here whether or not a prompt is active: queued, it would be stored unchecked.
+        if not isinstance(answers, list):
+            raise CliError(
+                "--answers: expected a JSON list with one "
+                '{"question": ..., "answer": [...]} object per question, '
+                f"got {_json_kind(answers)}"
+            )
+        metadata["answers"] = answers
     if args.prompt is not None:
         metadata["prompt_id"] = check_prompt_id(args.prompt, "--prompt")
     item: dict[str, Any] = {"content": [{"type": "text", "text": args.text}], "metadata": metadata}
@@ -358,15 +454,26 @@ def _answer_item(args: argparse.Namespace) -> dict[str, Any]:
     return item
 
 
+def _json_kind(value: object) -> str:
+    kinds = {dict: "an object", str: "a string", bool: "a boolean", int: "a number"}
+    kinds[float] = "a number"
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
+
+
 async def cmd_answer(args: argparse.Namespace, settings: Settings) -> int:
     """Post TEXT to the thread: it answers the active prompt, or waits in the inbox."""
     thread_id = check_thread_id(args.thread, "THREAD")
     item = _answer_item(args)
     async with _connect(settings) as broker:
         try:
-            routed = await broker.post_item(thread_id, item)
+            routed = await broker.post_item(thread_id, item, create=args.create)
         except BadItem as e:
             raise BadItem(_flag_name(e.field), e.problem) from None
+        except ThreadNotFound:
+            raise CliError(
+                f"THREAD: no thread {thread_id}: nothing was ever posted to it and it has no "
+                "session (a typo? --create starts it); nothing was written"
+            ) from None
     if args.json:
         _print_json({"thread_id": thread_id, **routed.model_dump(mode="json")})
     else:
@@ -395,6 +502,7 @@ async def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     thread_id = check_thread_id(args.thread, "THREAD")
     prompt_id = None if args.prompt is None else check_prompt_id(args.prompt, "--prompt")
     async with _connect(settings) as broker:
+        await _require_thread(broker, thread_id)
         cancelled = await broker.cancel(thread_id, args.reason, prompt_id=prompt_id)
         state = None
         if cancelled is None and prompt_id is not None:
@@ -425,14 +533,46 @@ def _tail_args(parser: argparse.ArgumentParser) -> None:
 
 
 async def cmd_tail(args: argparse.Namespace, settings: Settings) -> int:
-    """Print the thread's new items as they arrive, until Ctrl-C."""
+    """Print the thread's new items as they arrive, until Ctrl-C; ride out Redis outages."""
     thread_id = check_thread_id(args.thread, "THREAD")
     async with _connect(settings) as broker:
+        await _require_thread(broker, thread_id)
         after = "0-0" if args.from_start else await _last_entry_id(broker, thread_id)
+        lost_at: float | None = None
+        tries = 0
         while True:
-            for sid, item in await broker.entries(thread_id, after=after, block_ms=TAIL_BLOCK_MS):
+            try:
+                entries = await broker.entries(thread_id, after=after, block_ms=TAIL_BLOCK_MS)
+            except _UNREACHABLE as e:
+                # A blip (a restart, a failover, a dropped connection): the next command
+                # reconnects, and reading after the last id printed loses and repeats nothing.
+                if lost_at is None:
+                    lost_at = time.monotonic()
+                    _note(f"lost Redis ({_one_line(str(e))}); reconnecting, then going on")
+                await asyncio.sleep(TAIL_RETRY[min(tries, len(TAIL_RETRY) - 1)])
+                tries += 1
+                continue
+            if lost_at is not None:
+                _note(f"reconnected after {time.monotonic() - lost_at:.1f} s")
+                lost_at, tries = None, 0
+            for sid, item in entries:
                 _print(render_item(item))
                 after = sid
+
+
+#: What an unreachable Redis raises: ours where the library wraps it, redis-py's where not.
+_UNREACHABLE = (
+    BrokerUnavailable,
+    redis_errors.ConnectionError,
+    redis_errors.TimeoutError,
+    redis_errors.BusyLoadingError,
+    OSError,
+)
+
+
+def _note(message: str) -> None:
+    """A line about what the command is doing (not its output): stderr."""
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
 
 async def _last_entry_id(broker: Broker, thread_id: str) -> str:
@@ -448,33 +588,55 @@ async def _last_entry_id(broker: Broker, thread_id: str) -> str:
 # -- the parser and dispatch ---------------------------------------------------------------------
 
 
+#: Where a command that talks to an existing Redis finds it when none is given.
+FIND_REDIS = (
+    "the Redis server (default: PROMPT_BROKER_REDIS_URL, else the local fleet's, recorded by "
+    f"`prompt-broker up` in {fleet_record()}, else {DEFAULT_URL})"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Command:
-    """A subcommand: its help line, what adds its arguments, its handler, its Ctrl-C exit status."""
+    """A subcommand: its help line, what adds its arguments, its handler, its Ctrl-C exit status.
+
+    `finds_fleet`: with no Redis given, look for the local fleet's (False for the commands that
+    bring their own or are handed one: `up`, `demo`, a fleet's processes). `redis_help` is its
+    `--redis-url` help, saying what the default really is.
+    """
 
     help: str
     arguments: Callable[[argparse.ArgumentParser], None]
     run: Handler
     interrupted: int = 130  # 0 for a command that runs until Ctrl-C, like `tail`
+    finds_fleet: bool = True
+    redis_help: str = FIND_REDIS
 
 
 COMMANDS: dict[str, Command] = {
     "open": Command("list the prompts waiting on a person", _open_args, cmd_open),
     "show": Command("print a thread, its active prompt and its inbox", _show_args, cmd_show),
-    "answer": Command("post an answer (or a message) to a thread", _answer_args, cmd_answer),
+    "answer": Command(
+        "post an answer (or a message) to an existing thread", _answer_args, cmd_answer
+    ),
     "cancel": Command("cancel a thread's active prompt", _cancel_args, cmd_cancel),
     "tail": Command(
         "follow a thread's new items until Ctrl-C", _tail_args, cmd_tail, interrupted=0
     ),
 }
 
-_EPILOG = """\
+_EPILOG = f"""\
 environment:
   PROMPT_BROKER_REDIS_URL    the Redis server (--redis-url wins over it)
   PROMPT_BROKER_KEY_PREFIX   the key prefix (default pp); there is no flag for it
   any other PROMPT_BROKER_* must name a setting: a misspelt one is an error
+  XDG_DATA_HOME              the local fleet's data folder is $XDG_DATA_HOME/prompt-broker
 
-exit status: 0 done, 1 an answer named a prompt that is no longer active, 2 a mistake
+With neither --redis-url nor PROMPT_BROKER_REDIS_URL, the commands use the local fleet that
+`prompt-broker up` (scripts/run) started, from the address it records in
+{fleet_record()}, and say so on stderr; with no fleet recorded, {DEFAULT_URL}.
+
+exit status: 0 done, 1 an answer named a prompt that is no longer active or a closed thread,
+2 a mistake (an unknown thread included)
 """
 
 
@@ -484,34 +646,37 @@ class Parser(argparse.ArgumentParser):
     subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 
 
-def _global_args(parser: argparse.ArgumentParser, *, root: bool) -> None:
-    """Options accepted before or after the subcommand; the subcommand's copy never resets them."""
+def global_args(
+    parser: argparse.ArgumentParser, *, root: bool = False, redis_help: str = FIND_REDIS
+) -> None:
+    """Options accepted before or after the subcommand; the subcommand's copy never resets them.
+
+    A command with subcommands of its own (`thread new`) adds them to each of those too.
+    """
     parser.add_argument(
         "--redis-url",
         metavar="URL",
         default=None if root else argparse.SUPPRESS,
-        help="the Redis server (default: PROMPT_BROKER_REDIS_URL, else redis://127.0.0.1:6379/0)",
+        help=redis_help,
     )
     parser.add_argument(
         "-v",
         "--verbose",
         action="count",
         default=0 if root else argparse.SUPPRESS,
-        help="log more: -v info, -vv debug (logs go to stderr)",
+        help="log more: -v info, -vv debug and a failure's traceback (logs go to stderr)",
     )
 
 
 def build_parser(commands: dict[str, Command] | None = None) -> Parser:
     """The whole command line, built from `commands` (default `COMMANDS`)."""
-    common = argparse.ArgumentParser(add_help=False)
-    _global_args(common, root=False)
     parser = Parser(
         prog=PROG,
         description="Carry coding agents' questions to a person and the answers back, on Redis.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _global_args(parser, root=True)
+    global_args(parser, root=True)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.subparsers = parser.add_subparsers(
         dest="command",
@@ -521,9 +686,8 @@ def build_parser(commands: dict[str, Command] | None = None) -> Parser:
         parser_class=argparse.ArgumentParser,
     )
     for name, command in (COMMANDS if commands is None else commands).items():
-        sub = parser.subparsers.add_parser(
-            name, help=command.help, description=command.help, parents=[common]
-        )
+        sub = parser.subparsers.add_parser(name, help=command.help, description=command.help)
+        global_args(sub, redis_help=command.redis_help)
         command.arguments(sub)
     return parser
 
@@ -563,29 +727,72 @@ def _logging(verbosity: int) -> Iterator[None]:
 # -- the entry point -----------------------------------------------------------------------------
 
 
-def _report(error: Exception, url: str | None) -> int:
+def _report(error: Exception, url: str | None, fleet: LocalFleet | None = None) -> int:
     """Print one line for an expected failure; return the exit status."""
-    if isinstance(error, redis_errors.ConnectionError | redis_errors.TimeoutError):
+    unreachable = isinstance(error, redis_errors.ConnectionError | redis_errors.TimeoutError)
+    if unreachable:
         message = f"cannot reach Redis at {_safe_url(url)}: {error}"
     elif isinstance(error, redis_errors.RedisError):
         message = f"Redis at {_safe_url(url)} said: {error}"
+    elif isinstance(error, ThreadNotFound):
+        message = (
+            f"THREAD: no thread {error.thread_id}: nothing was ever posted to it and it has no "
+            "session"
+        )
+    elif isinstance(error, ThreadClosed):
+        message = f"THREAD: thread {error.thread_id} is closed: it takes no more items"
     else:
         message = str(error)
-    logger.info("cli.failed", exc_info=error)  # the traceback, for -v only
+    if fleet is not None and (unreachable or isinstance(error, BrokerUnavailable)):
+        message += (
+            f" (the local fleet recorded in {fleet.path} is not running: start it with "
+            "`scripts/run` or `prompt-broker up`, or pass --redis-url)"
+        )
+    logger.debug("cli.failed", exc_info=error)  # the traceback, for -vv only
     print(f"{PROG}: error: {_one_line(message)}", file=sys.stderr, flush=True)
-    return 1 if isinstance(error, StaleAnswer) else 2
+    return 1 if isinstance(error, StaleAnswer | ThreadClosed) else 2
+
+
+def _local_fleet(command: Command, args: argparse.Namespace) -> LocalFleet | None:
+    """With no Redis given, the local fleet to use, said on stderr; else None."""
+    if args.redis_url is not None or URL_ENV in os.environ or not command.finds_fleet:
+        return None
+    fleet = read_local_fleet()
+    if fleet is not None:
+        caveat = "" if fleet.keeps_data else ": an embedded fakeredis server that keeps nothing"
+        _note(
+            f"using the local fleet's Redis at {_safe_url(fleet.url)} (recorded in {fleet.path}"
+            f"{caveat}); --redis-url or PROMPT_BROKER_REDIS_URL chooses another"
+        )
+    return fleet
 
 
 def _run(command: Command, args: argparse.Namespace) -> int:
     url: str | None = args.redis_url
+    fleet: LocalFleet | None = None
     try:
-        settings = Settings.from_env(redis_url=args.redis_url)
+        fleet = _local_fleet(command, args)
+        settings = Settings.from_env(redis_url=fleet.url if fleet else args.redis_url)
         url = settings.redis_url
         return asyncio.run(command.run(args, settings))
     except KeyboardInterrupt:
         return command.interrupted
     except (BrokerError, CliError, redis_errors.RedisError) as e:
-        return _report(e, url)
+        return _report(e, url, fleet)
+
+
+def _not_text(argv: Sequence[str]) -> str | None:
+    """The first argument that is not text (bytes that are not UTF-8), described; else None.
+
+    Python hands such bytes over as lone surrogates, which nothing downstream can encode.
+    """
+    for i, arg in enumerate(argv, 1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = arg.encode("utf-8", "surrogateescape").decode("ascii", "backslashreplace")
+            return f"argument {i} ('{shown}') is not UTF-8 text: every argument must be text"
+    return None
 
 
 def main(argv: Sequence[str] | None = None, commands: dict[str, Command] | None = None) -> int:
@@ -594,6 +801,10 @@ def main(argv: Sequence[str] | None = None, commands: dict[str, Command] | None 
     `commands` replaces `COMMANDS`: the runtime (`workers.cli`) adds its own to the library's.
     """
     commands = COMMANDS if commands is None else commands
+    problem = _not_text(sys.argv[1:] if argv is None else argv)
+    if problem is not None:
+        print(f"{PROG}: error: {problem}", file=sys.stderr, flush=True)
+        return 2
     args = build_parser(commands).parse_args(argv)
     with _logging(args.verbose):
         return _run(commands[args.command], args)

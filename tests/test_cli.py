@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,7 +213,7 @@ def test_answer_stale_prompt_exits_1(env: Env, capsys: pytest.CaptureFixture[str
 
 def test_answer_without_prompt_is_queued(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     """With no prompt active, `answer` queues the item in the inbox and says so."""
-    assert main(["answer", THREAD, "hello", "--author", "alice"]) == 0
+    assert main(["answer", THREAD, "hello", "--author", "alice", "--create"]) == 0
     assert capsys.readouterr().out.startswith("queued itm_")
     items = env.run(lambda b: b.take_inbox(THREAD))
     assert [(i.author, i.text) for i in items] == [("alice", "hello")]
@@ -230,6 +232,7 @@ def test_cancel_active_prompt(env: Env, capsys: pytest.CaptureFixture[str]) -> N
 
 def test_cancel_with_nothing_active(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     """`cancel` with nothing to cancel is a no-op: it says so and exits 0."""
+    env.run(lambda b: b.post_item(THREAD, text_item("a first message")))  # the thread exists
     assert main(["cancel", THREAD]) == 0
     assert capsys.readouterr().out.startswith("nothing to cancel")
     p = env.ask("approval", APPROVAL)
@@ -318,3 +321,233 @@ def test_console_script_runs(env: Env) -> None:
     assert opened.returncode == 0, opened.stderr
     assert p.prompt_id in opened.stdout
     assert opened.stderr == ""
+
+
+# -- a typo cannot start or break a thread ---------------------------------------------------------
+
+
+def cli_process(
+    *args: str | bytes, env: dict[str, str], timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    """`prompt-broker ARGS` as a real process (bytes arguments go through as they are)."""
+    return subprocess.run(
+        [sys.executable, "-m", "workers.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        errors="replace",
+    )
+
+
+def test_answer_unknown_thread_refused(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    """`answer nosuch 2`: one line naming THREAD and --create, exit 2, nothing written."""
+    assert main(["answer", "nosuch", "2"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("prompt-broker: error: THREAD: no thread nosuch")
+    assert "--create" in line
+    assert env.run(lambda b: b.thread_exists("nosuch")) is False
+    assert main(["answer", "nosuch", "hello", "--create"]) == 0
+    assert capsys.readouterr().out.startswith("queued itm_")
+    assert [i.text for i in env.run(lambda b: b.take_inbox("nosuch"))] == ["hello"]
+
+
+def test_answer_closed_thread_refused(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    """Answering a closed thread is refused (exit 1, one line), even with --create."""
+
+    async def arrange(b: Broker) -> None:
+        await b.sessions.create("done", "scripted")
+        await b.sessions.close("done")
+
+    env.run(arrange)
+    for argv in (["answer", "done", "2"], ["answer", "done", "2", "--create"]):
+        assert main(argv) == 1
+        line = one_error_line(capsys.readouterr().err)
+        assert line == "prompt-broker: error: THREAD: thread done is closed: it takes no more items"
+    assert env.run(lambda b: b.take_inbox("done")) == []
+
+
+@pytest.mark.parametrize("command", ["show", "cancel", "tail"])
+def test_unknown_thread_is_an_error(env: Env, command: str) -> None:
+    """`show`, `cancel` and `tail` of a thread that never existed: one line, exit 2, at once
+    (`tail` refuses instead of waiting forever for a thread that is not there)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROMPT_BROKER_")}
+    run = cli_process(
+        command,
+        "nosuch",
+        env=clean | {"PROMPT_BROKER_REDIS_URL": env.url, "PROMPT_BROKER_KEY_PREFIX": env.prefix},
+        timeout=20,
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
+    line = one_error_line(run.stderr)
+    assert line.startswith("prompt-broker: error: THREAD: no thread nosuch"), line
+    assert env.run(lambda b: b.thread_exists("nosuch")) is False
+
+
+def test_answers_not_a_list_refused_always(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--answers` that is JSON but not a list is refused naming --answers, even when no
+    prompt is active (it would have been queued unchecked), and nothing is queued."""
+    env.run(lambda b: b.post_item(THREAD, text_item("hello")))
+    env.run(lambda b: b.take_inbox(THREAD))
+    for answers in ('{"question": "q", "answer": ["a"]}', '"yes"', "3", "null"):
+        assert main(["answer", THREAD, "yes", "--answers", answers]) == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert line.startswith("prompt-broker: error: --answers: expected a JSON list"), line
+        assert "TEXT" not in line
+    assert env.run(lambda b: b.take_inbox(THREAD)) == []
+
+
+def test_undecodable_argument_is_one_line(env: Env) -> None:
+    """`prompt-broker answer T $'\\xff\\xfe'`: bytes that are not UTF-8 get one line, exit 2."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROMPT_BROKER_")}
+    env.run(lambda b: b.post_item(THREAD, text_item("hello")))
+    run = cli_process(
+        "answer",
+        THREAD,
+        b"\xff\xfe",
+        env=clean | {"PROMPT_BROKER_REDIS_URL": env.url, "PROMPT_BROKER_KEY_PREFIX": env.prefix},
+    )
+    assert run.returncode == 2, run.stderr
+    line = one_error_line(run.stderr)
+    assert "argument 3" in line and "not UTF-8 text" in line and "\\xff\\xfe" in line
+    assert len(env.run(lambda b: b.take_inbox(THREAD))) == 1  # only the first message
+
+
+# -- finding the local fleet -----------------------------------------------------------------------
+
+
+def record_fleet(home: Path, url: str, *, keeps_data: bool = True) -> Path:
+    folder = home / "prompt-broker"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "fleet.json"
+    path.write_bytes(orjson.dumps({"url": url, "server": "redis-server", "keeps_data": keeps_data}))
+    return path
+
+
+def test_no_url_finds_the_local_fleet(
+    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No --redis-url, no PROMPT_BROKER_REDIS_URL: the commands use the address the local fleet
+    recorded, and say so on stderr; a flag or the variable wins over it, silently."""
+    p = env.ask("approval", APPROVAL)
+    monkeypatch.delenv("PROMPT_BROKER_REDIS_URL")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    path = record_fleet(tmp_path, env.url)
+    assert main(["open"]) == 0
+    captured = capsys.readouterr()
+    assert p.prompt_id in captured.out
+    assert captured.err == (
+        f"prompt-broker: using the local fleet's Redis at {env.url} (recorded in {path}); "
+        "--redis-url or PROMPT_BROKER_REDIS_URL chooses another\n"
+    )
+    record_fleet(tmp_path, f"redis://127.0.0.1:{free_port()}/0")  # a fleet elsewhere
+    assert main(["open", "--redis-url", env.url]) == 0
+    captured = capsys.readouterr()
+    assert p.prompt_id in captured.out and captured.err == ""
+    monkeypatch.setenv("PROMPT_BROKER_REDIS_URL", env.url)
+    assert main(["show", THREAD]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_local_fleet_not_running_says_so(
+    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The recorded fleet is not running: the error says whose Redis it was and how to start
+    it; an embedded (fakeredis) fleet is named as keeping nothing."""
+    monkeypatch.delenv("PROMPT_BROKER_REDIS_URL")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    path = record_fleet(tmp_path, url, keeps_data=False)
+    assert main(["open"]) == 2
+    note, error = capsys.readouterr().err.splitlines()
+    assert note.startswith(f"prompt-broker: using the local fleet's Redis at {url}")
+    assert "an embedded fakeredis server that keeps nothing" in note
+    assert error.startswith(f"prompt-broker: error: cannot reach Redis at {url}: ")
+    assert f"the local fleet recorded in {path} is not running" in error
+    assert "scripts/run" in error
+
+
+def test_no_fleet_recorded_uses_the_default(
+    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With no fleet recorded, the default URL, and nothing said about choosing."""
+    monkeypatch.delenv("PROMPT_BROKER_REDIS_URL")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    code = main(["open"])
+    captured = capsys.readouterr()
+    assert "local fleet" not in captured.err
+    if code != 0:  # nothing at the default address on this machine
+        assert "redis://127.0.0.1:6379/0" in one_error_line(captured.err)
+
+
+def test_help_states_the_real_defaults() -> None:
+    """`--help` of each command says where its Redis comes from when none is given."""
+    script = [sys.executable, "-m", "workers.cli"]
+
+    def helped(*args: str) -> str:
+        run = subprocess.run(
+            [*script, *args, "--help"], capture_output=True, text=True, timeout=30, check=True
+        )
+        return " ".join(run.stdout.split())
+
+    assert "else the local fleet's" in helped("open")
+    assert "else the local fleet's" in helped("thread", "status")
+    up = helped("up")
+    assert "a private redis-server of the fleet's own" in up and "--data-dir" in up
+    assert "keeps nothing" in up
+    demo = helped("demo")
+    assert "throwaway private redis-server" in demo
+    assert "{scripted,claude_code,codex}" in demo
+    assert "{scripted,claude_code,codex}" in helped("thread", "new")
+
+
+# -- tail rides out a Redis blip -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tail_reconnects_after_redis_restart(redis_server_factory: Any, tmp_path: Path) -> None:
+    """Redis restarts under `tail`: it says so, reconnects, and goes on after the last item it
+    printed: the next item is printed, and none twice."""
+    server = redis_server_factory()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROMPT_BROKER_")}
+    env = clean | {"PROMPT_BROKER_REDIS_URL": server.url, "PYTHONUNBUFFERED": "1"}
+
+    def post(text: str) -> None:
+        async def go() -> None:
+            async with Broker.from_url(server.url) as b:
+                await b.post_item("blip", text_item(text))
+
+        asyncio.run(go())
+
+    post("before")
+    out = tmp_path / "tail.out"
+    with out.open("w") as sink, (tmp_path / "tail.err").open("w") as err_sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "workers.cli", "tail", "blip", "--from-start"],
+            env=env,
+            stdout=sink,
+            stderr=err_sink,
+        )
+        try:
+            wait_for(lambda: "before" in out.read_text(), "the first item")
+            server.restart()  # SIGKILL, then the same port again (AOF kept the stream)
+            post("after")
+            wait_for(lambda: "after" in out.read_text(), "the item after the restart", 30)
+            assert proc.poll() is None, "tail exited on the blip"
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(10)
+    text = out.read_text()
+    assert text.count("    before\n") == 1 and text.count("    after\n") == 1, text
+    err = (tmp_path / "tail.err").read_text()
+    assert "lost Redis" in err and "reconnected after" in err and "Traceback" not in err
+    assert proc.returncode == 0
+
+
+def wait_for(check: Callable[[], bool], what: str, within: float = 15) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)

@@ -2,31 +2,39 @@
 
 prompt-broker worker [--id NAME]         one replica, until SIGTERM/SIGINT
 prompt-broker audit                      the arq audit worker
-prompt-broker up [--workers N]           a local fleet: N replicas + the audit worker
-prompt-broker demo [--workers N]         a self-driving scenario on a local fleet
+prompt-broker up [--workers N] [--data-dir DIR]
+                                         a local fleet: N replicas + the audit worker, on its
+                                         own Redis (data kept in DIR) unless one is given
+prompt-broker demo [--workers N]         a self-driving scenario on a throwaway local fleet
        [--harness scripted|claude_code|codex]   (the real agent CLIs against a fake model)
 prompt-broker thread new THREAD [...]    create a thread and its agent session
 prompt-broker thread close THREAD        end a thread (its open prompt is cancelled)
-prompt-broker thread status THREAD       who holds it, its lease, what it waits on
+prompt-broker thread status THREAD [--json]   who holds it, its lease, what it waits on
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import orjson
+from pydantic import ValidationError
+from redis import exceptions as redis_errors
+from redis.asyncio import Redis
 
-from broker import BadItem, Broker, Settings
-from broker.cli import COMMANDS, CliError, Command
+from broker import BadItem, Broker, BrokerError, Settings, ThreadNotFound
+from broker.cli import COMMANDS, CliError, Command, data_home, fleet_record, global_args
 from broker.cli import main as broker_main
+from broker.sessions import Session
 from workers import audit
 from workers.fleet import Fleet
 from workers.logs import configure
@@ -49,6 +57,12 @@ def _me() -> str:
     return str(argv0) if argv0.name == "prompt-broker" else "prompt-broker"
 
 
+#: The agent harnesses `thread new --harness` takes (claude_code needs the `claude` extra).
+HARNESSES = ("scripted", "claude_code", "codex")
+#: The demos `demo --harness` runs (`workers.demo.HARNESSES`, imported only when one runs).
+DEMO_HARNESSES = ("scripted", "claude_code", "codex")
+
+
 def _explicit_redis(args: argparse.Namespace) -> bool:
     return args.redis_url is not None or "PROMPT_BROKER_REDIS_URL" in os.environ
 
@@ -56,23 +70,57 @@ def _explicit_redis(args: argparse.Namespace) -> bool:
 # -- worker, audit -------------------------------------------------------------------------
 
 
+def _parent_arg(parser: argparse.ArgumentParser) -> None:
+    # How a fleet starts its processes: not for people, so not in --help.
+    parser.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
+
+
 def _worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--id", default=None, help="this replica's name (default: host-pid-random)")
+    _parent_arg(parser)
+
+
+def _stop_with_parent(parent: int | None) -> None:
+    """A fleet's process gets SIGTERM when the fleet dies, even by kill -9: none outlives it.
+
+    Linux only (prctl PR_SET_PDEATHSIG); elsewhere the fleet's own stop is all there is.
+    """
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:  # the fleet died before we asked to follow it
+        raise CliError(f"the fleet (pid {parent}) that started this process is gone")
 
 
 async def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     configure(_level(args))
+    _stop_with_parent(args.parent)
     await run_replica(settings, replica_id=args.id)
     return 0
 
 
 async def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
     configure(_level(args))
+    _stop_with_parent(args.parent)
     await audit.serve(settings)
     return 0
 
 
 # -- up ---------------------------------------------------------------------------------------
+
+UP_REDIS = (
+    "the Redis server (default: PROMPT_BROKER_REDIS_URL, else a private redis-server of the "
+    "fleet's own, AOF on, its data kept in --data-dir and its address the same every time; "
+    "with no redis-server on PATH, an embedded fakeredis server that keeps nothing)"
+)
+DEMO_REDIS = (
+    "the Redis server (default: PROMPT_BROKER_REDIS_URL, else a throwaway private "
+    "redis-server, or an embedded fakeredis server when none is on PATH: nothing is kept)"
+)
 
 
 def _fleet_args(parser: argparse.ArgumentParser) -> None:
@@ -82,39 +130,120 @@ def _fleet_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _up_args(parser: argparse.ArgumentParser) -> None:
+    _fleet_args(parser)
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"where the fleet's own Redis keeps its data and records its address (default: "
+        f"{data_home()}, from $XDG_DATA_HOME; the other commands look for the fleet there)",
+    )
+
+
 async def _status(fleet: Fleet, settings: Settings) -> str:
-    async with Broker.from_url(fleet.url, settings) as b:
-        holders = await b.sessions.holders()
-        waiting = len(await b.open_prompts())
     alive = sum(1 for p in fleet.processes if p.proc is not None and p.proc.poll() is None)
+    try:
+        async with Broker.from_url(fleet.url, settings, socket_connect_timeout=5) as b:
+            holders = await b.sessions.holders()
+            waiting = len(await b.open_prompts())
+    except (BrokerError, redis_errors.RedisError, OSError) as e:
+        # Redis away is worth saying, not worth stopping the fleet for: the replicas ride it out.
+        return f"{alive} processes up; cannot reach Redis at {fleet.url} ({e})"
     return f"{alive} processes up, {len(holders)} threads, {waiting} prompts waiting on a person"
+
+
+async def _reachable(url: str) -> None:
+    """PING before anything is started: an unreachable Redis is one line, and no orphans."""
+    try:
+        client = Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    except ValueError as e:
+        raise CliError(f"--redis-url / PROMPT_BROKER_REDIS_URL {url}: {e}") from None
+    try:
+        await client.ping()
+    finally:
+        await client.aclose()
+
+
+async def _ready_unless(fleet: Fleet, stop: asyncio.Event) -> bool:
+    """Wait for every replica to say it is alive; False if asked to stop meanwhile."""
+    ready = asyncio.ensure_future(fleet.ready())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not ready.done():
+        ready.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ready
+        return False
+    ready.result()  # its failure, if it failed
+    return True
+
+
+def _banner(fleet: Fleet, args: argparse.Namespace, data_dir: Path) -> list[str]:
+    embedded = fleet.embedded
+    where = embedded.kind if embedded else fleet.url
+    me = _me()
+    lines = [f"fleet up: {args.workers} replicas and the audit worker on {where}"]
+    if embedded is None:
+        lines.append(f"  try:  export PROMPT_BROKER_REDIS_URL={fleet.url}")
+    else:
+        lines += [
+            f"  the other commands find this fleet by themselves (its address is in "
+            f"{fleet_record(data_dir)}); elsewhere: PROMPT_BROKER_REDIS_URL={fleet.url}",
+            f"  try:  {me} open",
+        ]
+    lines += [
+        f"        {me} thread new t1 --message hello   # its agent asks 'Pick one'",
+        f"        {me} answer t1 2 && {me} show t1",
+    ]
+    if embedded is None:
+        lines.append("  Ctrl-C stops the fleet (prompts stay open in Redis)")
+    elif embedded.keeps_data:
+        lines.append(
+            f"  Ctrl-C stops the fleet; its threads and open prompts are kept in {data_dir} "
+            "and come back, at the same address, with the next start"
+        )
+    else:
+        lines.append(
+            "  Ctrl-C stops the fleet and LOSES every thread and open prompt: the embedded "
+            "fakeredis server keeps nothing (install redis-server to keep them)"
+        )
+    return lines
 
 
 async def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     configure(_level(args))
     if args.workers < 1:
         raise CliError("--workers: at least 1")
+    explicit = _explicit_redis(args)
+    if explicit:
+        await _reachable(settings.redis_url)
+    data_dir: Path = args.data_dir if args.data_dir is not None else data_home()
     fleet = Fleet(settings, args.workers, log_dir=args.logs)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await fleet.start(embedded=not _explicit_redis(args))
-    await fleet.ready()
-    where = fleet.embedded.kind if fleet.embedded else fleet.url
-    print(f"fleet up: {args.workers} replicas and the audit worker on {where}", flush=True)
-    me = _me()
-    print(f"  try:  export PROMPT_BROKER_REDIS_URL={fleet.url}", flush=True)
-    print(f"        {me} thread new t1 --message hello   # its agent asks 'Pick one'", flush=True)
-    print(f"        {me} answer t1 2 && {me} show t1", flush=True)
-    print("  Ctrl-C stops the fleet (prompts stay open in Redis)", flush=True)
-    while not stop.is_set():
-        try:
-            await asyncio.wait_for(stop.wait(), 10)
-        except TimeoutError:
-            print(f"status: {await _status(fleet, settings)}", flush=True)
-    print("stopping: replicas park their waits and release their threads...", flush=True)
-    await fleet.stop()
+    try:
+        await fleet.start(embedded=not explicit, data_dir=None if explicit else data_dir)
+        if not await _ready_unless(fleet, stop):
+            print("stopping before the fleet was up...", flush=True)
+            return 0
+        for line in _banner(fleet, args, data_dir):
+            print(line, flush=True)
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), 10)
+            except TimeoutError:
+                print(f"status: {await _status(fleet, settings)}", flush=True)
+        print("stopping: replicas park their waits and release their threads...", flush=True)
+    except (OSError, RuntimeError) as e:
+        raise CliError(f"up: {e}") from None
+    finally:
+        # Whatever failed, nothing this command started outlives it.
+        await fleet.stop()
     return 0
 
 
@@ -123,7 +252,7 @@ def _demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--harness",
         default="scripted",
-        metavar="HARNESS",
+        choices=DEMO_HARNESSES,
         help="the agents: scripted (default), or a real CLI against a fake model: claude_code "
         "(pip install -e '.[claude]'), codex (npm ci)",
     )
@@ -158,7 +287,12 @@ def _thread_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     new = sub.add_parser("new", help="create a thread and its agent session")
     new.add_argument("thread", metavar="THREAD")
-    new.add_argument("--harness", default="scripted", help="the agent harness (default scripted)")
+    new.add_argument(
+        "--harness",
+        default="scripted",
+        choices=HARNESSES,
+        help="the agent harness (default scripted; claude_code needs pip install -e '.[claude]')",
+    )
     new.add_argument(
         "--permissions",
         default="approval",
@@ -178,9 +312,12 @@ def _thread_args(parser: argparse.ArgumentParser) -> None:
     new.add_argument("--message", metavar="TEXT", help="post this first message at once")
     close = sub.add_parser("close", help="end a thread: its open prompt is cancelled")
     close.add_argument("thread", metavar="THREAD")
-    close.add_argument("--reason", default="thread_closed")
+    close.add_argument("--reason", default="thread_closed", help="default: %(default)s")
     status = sub.add_parser("status", help="who holds the thread and what it waits on")
     status.add_argument("thread", metavar="THREAD")
+    status.add_argument("--json", action="store_true", help="print one JSON document instead")
+    for action in (new, close, status):
+        global_args(action)
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
@@ -227,48 +364,146 @@ def _policy(args: argparse.Namespace) -> dict[str, Any] | None:
     return checked
 
 
+def _thread_id(args: argparse.Namespace) -> str:
+    from broker.keys import check_thread_id
+
+    return check_thread_id(args.thread, "THREAD")
+
+
+async def _thread_new(b: Broker, args: argparse.Namespace) -> None:
+    config = _config(args)
+    policy = _policy(args)
+    harness = default_harnesses().get(args.harness)
+    if harness is None:
+        have = ", ".join(sorted(default_harnesses()))
+        raise CliError(f"--harness: {args.harness} is not installed here (have: {have})")
+    validate = getattr(sys.modules[type(harness).__module__], "validate_config", None)
+    if validate is not None:
+        validate(config)
+    try:
+        session = await b.sessions.create(
+            args.thread, args.harness, args.permissions, config, args.work_folder, policy=policy
+        )
+    except BadItem as e:
+        raise BadItem("THREAD" if e.field == "thread_id" else e.field, e.problem) from None
+    print(f"thread {session.thread_id}: {session.harness} agent, {session.permissions}")
+    if args.message:
+        await b.post_item(args.thread, {"content": [{"type": "text", "text": args.message}]})
+        print("message posted: a replica will pick it up")
+
+
+async def _session(b: Broker, thread_id: str) -> Session:
+    """The thread's session; an unknown thread, or one with no session, is an error."""
+    try:
+        found = await b.sessions.get(thread_id)
+    except (KeyError, ValueError, ValidationError) as e:
+        raise CliError(
+            f"THREAD: the session record of thread {thread_id} is damaged ({e})"
+        ) from None
+    if found is not None:
+        return found
+    if not await b.thread_exists(thread_id):
+        raise ThreadNotFound(thread_id)
+    raise CliError(f"THREAD: thread {thread_id} has items but no agent session")
+
+
+async def _thread_close(b: Broker, args: argparse.Namespace) -> None:
+    thread_id = _thread_id(args)
+    # Checked first: closing an unknown thread must write nothing (no partial record).
+    session = await _session(b, thread_id)
+    if session.status == "closed":
+        print(f"thread {thread_id} was already closed")
+        return
+    await b.sessions.close(thread_id, args.reason)
+    print(f"thread {thread_id} closed")
+
+
+def _when(moment: datetime | None) -> str:
+    return "-" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _status_lines(session: Session, active: str | None) -> list[str]:
+    """`thread status` for people: one fact a line."""
+    s = session
+    holder = (
+        f"{s.owner} (lease until {_when(s.lease_until)})"
+        if s.owner
+        else "no replica (the next adoption sweep gives it one)"
+        if s.status != "closed"
+        else "no replica (closed)"
+    )
+    waiting = f"{s.waiting.prompt_id} ({s.waiting.kind})" if s.waiting else "nothing"
+    lines = [
+        f"thread {s.thread_id}: {s.harness} agent, {s.permissions}, {s.status}",
+        f"  held by:       {holder}",
+        f"  epoch:         {s.epoch}",
+        f"  waiting on:    {waiting}",
+        f"  active prompt: {active or 'none'}",
+        f"  created:       {_when(s.created_at)}",
+    ]
+    if s.work_folder:
+        lines.append(f"  work folder:   {s.work_folder}")
+    if s.grant is not None:
+        lines.append(f"  grant:         {s.grant.subject} (by {s.grant.granted_by}, unspent)")
+    if s.error:
+        lines.append(f"  error:         {s.error}")
+    return lines
+
+
+async def _thread_status(b: Broker, args: argparse.Namespace) -> None:
+    thread_id = _thread_id(args)
+    session = await _session(b, thread_id)
+    if args.json:
+        document = session.model_dump(mode="json", exclude={"grant_raw"})
+        print(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode())
+        return
+    active = await b.active_prompt(thread_id)
+    shown = f"{active.prompt_id} ({active.kind}, {active.state})" if active else None
+    print("\n".join(_status_lines(session, shown)))
+
+
 async def cmd_thread(args: argparse.Namespace, settings: Settings) -> int:
+    actions = {"new": _thread_new, "close": _thread_close, "status": _thread_status}
     async with Broker.from_url(settings=settings, socket_connect_timeout=5) as b:
-        if args.action == "new":
-            config = _config(args)
-            policy = _policy(args)
-            harness = default_harnesses().get(args.harness)
-            if harness is None:
-                have = ", ".join(sorted(default_harnesses()))
-                raise CliError(f"--harness: no harness {args.harness!r} (have: {have})")
-            validate = getattr(sys.modules[type(harness).__module__], "validate_config", None)
-            if validate is not None:
-                validate(config)
-            session = await b.sessions.create(
-                args.thread, args.harness, args.permissions, config, args.work_folder, policy=policy
-            )
-            print(f"thread {session.thread_id}: {session.harness} agent, {session.permissions}")
-            if args.message:
-                await b.post_item(
-                    args.thread, {"content": [{"type": "text", "text": args.message}]}
-                )
-                print("message posted: a replica will pick it up")
-        elif args.action == "close":
-            await b.sessions.close(args.thread, args.reason)
-            print(f"thread {args.thread} closed")
-        else:
-            found = await b.sessions.get(args.thread)
-            if found is None:
-                raise BadItem("THREAD", f"no thread {args.thread}")
-            print(
-                orjson.dumps(
-                    found.model_dump(mode="json", exclude={"grant_raw"}),
-                    option=orjson.OPT_INDENT_2,
-                ).decode()
-            )
+        await actions[args.action](b, args)
     return 0
 
 
+#: What a fleet's own processes are handed (PROMPT_BROKER_REDIS_URL): they never look around.
+_HANDED = "the Redis server (default: PROMPT_BROKER_REDIS_URL, else redis://127.0.0.1:6379/0)"
+
 RUNTIME: dict[str, Command] = {
-    "worker": Command("run one replica until SIGTERM/SIGINT", _worker_args, cmd_worker, 0),
-    "audit": Command("run the audit worker (arq)", lambda _p: None, cmd_audit, 0),
-    "up": Command("run a local fleet: replicas and the audit worker", _fleet_args, cmd_up, 0),
-    "demo": Command("a self-driving scenario on a local fleet", _demo_args, cmd_demo),
+    "worker": Command(
+        "run one replica until SIGTERM/SIGINT",
+        _worker_args,
+        cmd_worker,
+        0,
+        finds_fleet=False,
+        redis_help=_HANDED,
+    ),
+    "audit": Command(
+        "run the audit worker (arq)",
+        _parent_arg,
+        cmd_audit,
+        0,
+        finds_fleet=False,
+        redis_help=_HANDED,
+    ),
+    "up": Command(
+        "run a local fleet: replicas and the audit worker",
+        _up_args,
+        cmd_up,
+        0,
+        finds_fleet=False,
+        redis_help=UP_REDIS,
+    ),
+    "demo": Command(
+        "a self-driving scenario on a throwaway local fleet",
+        _demo_args,
+        cmd_demo,
+        finds_fleet=False,
+        redis_help=DEMO_REDIS,
+    ),
     "thread": Command("create, close or inspect a thread", _thread_args, cmd_thread),
 }
 
