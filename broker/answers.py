@@ -1,7 +1,9 @@
 """Answer mapping and content rendering: pure functions, no Redis, no asyncio.
 
-The rules are the spec's (`interactive-prompts.md`, "Answering"), with two documented
-improvements that only turn what the spec would hand back as raw "Other" text into a label:
+The rules are those of answering a prompt: a structured set first (checked against the prompt,
+`accept_structured`), text mapped per kind as the fallback. Over the earlier implementation ("the
+reference" below) there are documented improvements, each of which only turns what would have
+been handed back as raw "Other" text into a label:
 
 * Multi-select labels that contain spaces can be chosen by name. Text is split into segments at
   commas; within a segment the longest run of words that matches a label wins, and otherwise each
@@ -22,7 +24,7 @@ needs no prompt; `map_prepared()` does the rest against a prompt's `Matcher`s, a
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
 from broker.models import Answer, Kind, Question
@@ -34,6 +36,7 @@ __all__ = [
     "Matcher",
     "Prepared",
     "Token",
+    "accept_structured",
     "answered_content",
     "cancelled_content",
     "check_structured",
@@ -77,6 +80,7 @@ class Matcher(TypedDict):
     """What mapping needs of one question, stored with the prompt at ask time."""
 
     question: str
+    qfold: str  # the question folded: a structured answer's `question` must fold to it
     multi: bool
     labels: list[str]  # canonical labels, in option order (index N-1 answers "N")
     folds: list[str]  # the same labels folded; "" never matches
@@ -113,6 +117,7 @@ def matchers(questions: Sequence[Question]) -> list[Matcher]:
     return [
         {
             "question": q.question,
+            "qfold": _fold(q.question),
             "multi": q.multiSelect,
             "labels": [o.label for o in q.options],
             "folds": [_fold(o.label) for o in q.options],
@@ -187,29 +192,66 @@ def map_text(kind: Kind, questions: Sequence[Question], text: str) -> list[Answe
 
 
 def check_structured(raw: Any) -> tuple[list[dict[str, Any]] | None, str | None]:
-    """Check a `metadata.answers` set's shape (its arity is checked against the prompt later).
+    """Check a `metadata.answers` set's shape (it is checked against the prompt later).
 
-    Returns `(entries, None)` for a usable set, `(None, None)` when there is none (absent or an
-    empty list), and `(None, why)` when it is malformed: the caller maps the text instead.
-    Entries keep `question` only when the surface sent one.
+    Returns `(entries, None)` for a usable set, `(None, None)` when there is none, and
+    `(None, why)` when it is malformed or empty: the caller maps the text instead and reports
+    why. Entries keep `question` (and `qfold`, it folded) only when the surface sent one.
     """
-    if raw is None or raw == []:
+    if raw is None:
         return None, None
     if not isinstance(raw, list):
         return None, f"metadata.answers: expected a list, got {type(raw).__name__}"
+    if not raw:
+        return None, "metadata.answers: an empty list answers no question"
     entries: list[dict[str, Any]] = []
     for i, entry in enumerate(raw):
-        where = f"metadata.answers[{i}]"
-        if not isinstance(entry, dict):
-            return None, f"{where}: expected an object, got {type(entry).__name__}"
-        answer = entry.get("answer")
-        if not isinstance(answer, list) or not all(isinstance(a, str) for a in answer):
-            return None, f"{where}.answer: expected a list of strings"
-        question = entry.get("question")
-        if question is not None and not isinstance(question, str):
-            return None, f"{where}.question: expected a string"
-        entries.append({"answer": answer} | ({"question": question} if question else {}))
+        checked = _check_entry(entry, f"metadata.answers[{i}]")
+        if isinstance(checked, str):
+            return None, checked
+        entries.append(checked)
     return entries, None
+
+
+def _check_entry(entry: Any, where: str) -> dict[str, Any] | str:
+    """One entry of a set, made ready for route.lua, or why it is malformed."""
+    if not isinstance(entry, dict):
+        return f"{where}: expected an object, got {type(entry).__name__}"
+    answer = entry.get("answer")
+    if not isinstance(answer, list) or not all(isinstance(a, str) for a in answer):
+        return f"{where}.answer: expected a list of strings"
+    question = entry.get("question")
+    if question is not None and not isinstance(question, str):
+        return f"{where}.question: expected a string"
+    named = {"question": question, "qfold": _fold(question)} if question else {}
+    return {"answer": answer} | named
+
+
+def accept_structured(
+    ms: Sequence[Matcher], entries: Sequence[Mapping[str, Any]]
+) -> tuple[list[Answer] | None, str | None]:
+    """Check a well-shaped set against the prompt: `(answers, None)` or `(None, why)`.
+
+    One entry per question, in order. An entry that names its question must name the prompt's
+    question at that position, compared folded (whitespace and case may differ); the answers
+    then carry the prompt's own wording. route.lua runs this same check (a test holds the two
+    equal); this copy is what tests and callers can reason with.
+    """
+    if len(entries) != len(ms):
+        return None, (
+            f"metadata.answers: the prompt has {len(ms)} question(s), the item answers "
+            f"{len(entries)}"
+        )
+    for i, (entry, m) in enumerate(zip(entries, ms, strict=True)):
+        if "qfold" in entry and entry["qfold"] != m["qfold"]:
+            return None, (
+                f'metadata.answers[{i}].question: "{entry["question"]}" is not question {i + 1} '
+                f'of the prompt ("{m["question"]}")'
+            )
+    return [
+        Answer(question=m["question"], answer=list(e["answer"]))
+        for e, m in zip(entries, ms, strict=True)
+    ], None
 
 
 def verdict(answers: Any) -> Literal["approve", "deny"]:

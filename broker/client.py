@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import math
+import re
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, ParamSpec, Self, TypeVar
 
 import orjson
 from arq.constants import job_key_prefix, result_key_prefix
@@ -14,7 +18,7 @@ from arq.jobs import serialize_job
 from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from ulid import ULID
 
@@ -25,6 +29,7 @@ from broker.answers import check_structured, matchers, prepare
 from broker.errors import (
     BadItem,
     BrokerClosed,
+    BrokerError,
     BrokerUnavailable,
     Fenced,
     PromptCancelled,
@@ -52,6 +57,8 @@ LIMITS = {
     "questions": 20,  # questions in one prompt
     "options": 50,  # options in one question
     "author_chars": 128,
+    "reason_chars": 1000,  # a cancel's reason
+    "depth": 64,  # nesting of objects and lists in content, metadata and agent state
 }
 
 _RESERVED_TYPES = frozenset(
@@ -73,6 +80,40 @@ _DELIVERY_RETRIES = (0, 0.1, 0.5, 1, 2, 5, 10, 20, 30)
 
 #: What "Redis could not be reached" looks like from redis-py (and the OS under it).
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+#: Redis answered, but will not write: over `maxmemory`, or a replica that became read-only.
+_REFUSING = (OutOfMemoryError, ReadOnlyError)
+_STREAM_ID = re.compile(r"[0-9]{1,20}(-[0-9]{1,20})?")
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _reaching(
+    what: str, took_effect: bool | None
+) -> Callable[[Callable[_P, Awaitable[_R]]], Callable[_P, Coroutine[Any, Any, _R]]]:
+    """Turn redis-py's "cannot reach Redis" and "Redis will not write" into `BrokerUnavailable`,
+    so a public method raises only our own errors. `took_effect` is what is known of the call
+    when that happens (False: nothing was written; None: unknown)."""
+
+    def decorate(fn: Callable[_P, Awaitable[_R]]) -> Callable[_P, Coroutine[Any, Any, _R]]:
+        @functools.wraps(fn)
+        async def reaching(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            try:
+                return await fn(*args, **kwargs)
+            except BrokerError:
+                raise  # BrokerUnavailable is an OSError too: ours already
+            except TimeoutError:
+                raise  # the builtin one is an OSError: a caller's timeout, not an outage
+            except _REFUSING as e:
+                # Redis refuses a write before making it, and each of our steps that can be
+                # refused is one script or one MULTI: refused, it did nothing.
+                raise BrokerUnavailable(what, e, False, refused=True) from e
+            except _UNREACHABLE as e:
+                raise BrokerUnavailable(what, e, took_effect) from e
+
+        return reaching
+
+    return decorate
 
 
 def _new_id(prefix: str) -> str:
@@ -105,9 +146,10 @@ class Broker:
         """`pubsub`: the client whose pool the waiter takes its one pub/sub connection from
         (default `redis`, where it counts against that pool's size); closed with the Broker
         when `owns_client`."""
-        kwargs = redis.connection_pool.connection_kwargs
-        if not kwargs.get("decode_responses"):
-            raise BadItem("redis", "the client must be made with decode_responses=True")
+        self._given = [c for c in (redis, pubsub) if c is not None]  # closed if owns_client
+        self._derived: list[Redis] = []
+        redis = self._decoding(redis)
+        pubsub = None if pubsub is None else self._decoding(pubsub)
         self.settings = settings or Settings()
         self.redis = redis
         self.keys = Keys(self.settings.key_prefix)
@@ -119,6 +161,24 @@ class Broker:
         self.sessions = Sessions(self)
         self._closed = False
         self._deliveries: set[asyncio.Task[None]] = set()
+
+    def _decoding(self, client: Redis) -> Redis:
+        """`client`, or one like it that decodes replies (the broker reads str everywhere).
+
+        Most users' clients (arq's pool too) are made without `decode_responses=True`. Rather
+        than refuse them, the Broker makes its own pool with the same connection settings and
+        closes it with itself; the caller's client is left as it is.
+        """
+        pool = client.connection_pool
+        if pool.connection_kwargs.get("decode_responses"):
+            return client
+        kwargs = {**pool.connection_kwargs, "decode_responses": True}
+        twin = type(pool)(
+            connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
+        )
+        derived = Redis(connection_pool=twin)
+        self._derived.append(derived)
+        return derived
 
     @classmethod
     def from_url(
@@ -156,10 +216,11 @@ class Broker:
                 task.cancel()
         self._closed = True
         await self._waiter.aclose()
+        for derived in self._derived:
+            await derived.aclose(close_connection_pool=True)
         if self._owns_client:
-            await self.redis.aclose()
-            if self._pubsub_client is not None:
-                await self._pubsub_client.aclose()
+            for client in self._given:
+                await client.aclose()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -192,6 +253,13 @@ class Broker:
         self._check_open()
         tk = self.thread(thread_id)
         checked_kind, qs = _check_prompt(kind, questions)
+        _check_epoch(epoch)
+        if agent_state is not None:
+            if not isinstance(agent_state, Mapping):
+                raise BadItem(
+                    "agent_state", f"expected an object, got {type(agent_state).__name__}"
+                )
+            _check_json(agent_state, "agent_state")
         prompt_id, item_id = _new_id("prm"), _new_id("itm")
         body = _codec.pending_body(prompt_id, checked_kind, qs)
         _check_size(body, "questions")
@@ -219,7 +287,9 @@ class Broker:
                     tk.base,
                     tk.wake,
                     wait,
-                    b"" if agent_state is None or epoch is None else orjson.dumps(agent_state),
+                    b""
+                    if agent_state is None or epoch is None
+                    else _dumps(agent_state, "agent_state"),
                 ],
             )
             pipe.zadd(self.keys.open, {self.keys.member(thread_id, prompt_id): ULID().milliseconds})
@@ -228,12 +298,21 @@ class Broker:
         except (RedisError, OSError) as e:
             return await self._ask_outcome_unknown(tk, prompt_id, e)
         if status == "fenced":
-            await self.redis.zrem(self.keys.open, self.keys.member(thread_id, prompt_id))
+            with contextlib.suppress(RedisError, OSError):  # only an index: a sweep rebuilds it
+                await self.redis.zrem(self.keys.open, self.keys.member(thread_id, prompt_id))
             raise Fenced(thread_id, epoch or 0, int(sid_or_epoch) if sid_or_epoch else None)
         if generation is not None:
             self._waiter.expect(prompt_id, tk.wake, generation)
         if superseded:
-            await self._after_cancel(thread_id, superseded)
+            try:
+                await self._after_cancel(thread_id, superseded)
+            except (RedisError, OSError) as e:
+                # The new prompt is asked; only the old one's indexes and audit job are missing,
+                # and the reconcile sweep finds a cancelled record without them.
+                logger.warning(
+                    "prompt.supersede_unindexed",
+                    extra={"thread_id": thread_id, "prompt_id": superseded, "error": repr(e)},
+                )
         logger.info(
             "prompt.asked",
             extra={
@@ -282,6 +361,7 @@ class Broker:
 
     # -- waiting ---------------------------------------------------------------------------
 
+    @_reaching("waiting for the answer", None)
     async def wait(
         self,
         thread_id: str,
@@ -307,6 +387,11 @@ class Broker:
         self._check_open()
         tk = self.thread(thread_id)
         check_prompt_id(prompt_id)
+        _check_epoch(epoch)
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or math.isnan(timeout)
+        ):
+            raise BadItem("timeout", f"expected seconds (a number) or None, got {timeout!r}")
         try:
             async with asyncio.timeout(timeout):
                 wake = await self._waiter.wait(thread_id, prompt_id, tk.wake)
@@ -341,13 +426,15 @@ class Broker:
             try:
                 await self._deliver(tk, prompt_id, None)
                 return
-            except BrokerUnavailable as e:
-                error: BrokerUnavailable = e
+            except (BrokerError, RedisError, OSError) as e:
+                # Never left to escape the task (nobody awaits it but `settle`): logged below.
+                error: BaseException = e
         logger.error(
             "prompt.delivery_unrecorded",
             extra={"thread_id": tk.thread_id, "prompt_id": prompt_id, "error": repr(error)},
         )
 
+    @_reaching("recording the delivery", None)
     async def deliver(self, thread_id: str, prompt_id: str, *, epoch: int | None = None) -> None:
         """Record that answers a `wait(..., deliver=False)` returned were handed over, and
         enqueue their audit item."""
@@ -406,8 +493,12 @@ class Broker:
             [job_id, job, _AUDIT_EXPIRES_MS, now],
         )
 
+    @_reaching("enqueueing the audit job", None)
     async def enqueue_audit(self, thread_id: str, prompt_id: str) -> bool:
         """Enqueue a prompt's audit job (idempotent); True if it was not already queued."""
+        self._check_open()
+        self.thread(thread_id)
+        check_prompt_id(prompt_id)
         pipe = self.redis.pipeline(transaction=False)
         self._queue_audit_job(pipe, thread_id, prompt_id)
         (queued,) = await self._scripts.run_pipeline(self.redis, pipe)
@@ -440,6 +531,7 @@ class Broker:
         listener that hears that may have missed bells, so it re-reads)."""
         await self.listen_many({thread_id: listener})
 
+    @_reaching("subscribing to the threads", False)
     async def listen_many(self, listeners: Mapping[str, Callable[[str, Wake], None]]) -> None:
         """`listen` on many threads at once (`thread_id -> listener`), in one SUBSCRIBE."""
         self._check_open()
@@ -452,6 +544,7 @@ class Broker:
 
     # -- routing what people post ------------------------------------------------------------
 
+    @_reaching("posting the item", False)
     async def post_item(
         self,
         thread_id: str,
@@ -555,17 +648,16 @@ class Broker:
                 return ["answered", item_id, prompt_id, h["answers"], h["source"], ""]
         return ["queued", item_id]
 
+    @_reaching("checking the thread", False)
     async def thread_exists(self, thread_id: str) -> bool:
         """True once the thread has items or an agent session (a closed thread still exists)."""
         self._check_open()
         tk = self.thread(thread_id)
-        try:
-            return bool(await self.redis.exists(tk.items, tk.session))
-        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
-            raise BrokerUnavailable("checking the thread", e, False) from e
+        return bool(await self.redis.exists(tk.items, tk.session))
 
     # -- cancelling --------------------------------------------------------------------------
 
+    @_reaching("cancelling the prompt", None)
     async def cancel(
         self,
         thread_id: str,
@@ -585,6 +677,10 @@ class Broker:
             check_prompt_id(prompt_id)
         if not isinstance(reason, str):
             raise BadItem("reason", f"expected a string, got {type(reason).__name__}")
+        if len(reason) > LIMITS["reason_chars"]:
+            raise BadItem("reason", f"over the limit of {LIMITS['reason_chars']} characters")
+        _check_text(reason, "reason")
+        _check_epoch(epoch)
         status, value = await self._scripts.call(
             self.redis,
             "cancel",
@@ -595,7 +691,15 @@ class Broker:
             raise Fenced(thread_id, epoch or 0, int(value) if value else None)
         if status == "none":
             return None
-        await self._after_cancel(thread_id, value)
+        try:
+            await self._after_cancel(thread_id, value)
+        except (RedisError, OSError) as e:
+            # The prompt is cancelled (its waiters heard it); only its indexes and audit job
+            # are missing, and the reconcile sweep finds a cancelled record without them.
+            logger.warning(
+                "prompt.cancel_unindexed",
+                extra={"thread_id": thread_id, "prompt_id": value, "error": repr(e)},
+            )
         logger.info(
             "prompt.cancelled", extra={"thread_id": thread_id, "prompt_id": value, "reason": reason}
         )
@@ -608,6 +712,7 @@ class Broker:
 
     # -- reading -----------------------------------------------------------------------------
 
+    @_reaching("reading the prompt", False)
     async def get_prompt(self, thread_id: str, prompt_id: str) -> Prompt:
         """The prompt's record; `PromptNotFound` if there is none."""
         self._check_open()
@@ -618,6 +723,7 @@ class Broker:
             raise PromptNotFound(thread_id, prompt_id)
         return _codec.prompt_from_hash(thread_id, prompt_id, _pairs(flat))
 
+    @_reaching("reading the active prompt", False)
     async def active_prompt(self, thread_id: str) -> Prompt | None:
         """The thread's active (pending) prompt, or None."""
         self._check_open()
@@ -630,12 +736,16 @@ class Broker:
             return None
         return prompt if prompt.state == "pending" else None
 
+    @_reaching("reading the thread", False)
     async def items(
         self, thread_id: str, *, after: str | None = None, count: int | None = None
     ) -> list[Item]:
         """The thread's items in order (after the item whose stream id is `after`, if given)."""
         self._check_open()
         key = self.thread(thread_id).items
+        if after is not None:
+            _check_stream_id(after, "after")
+        count = _check_count(count, "count")
         out: list[Item] = []
         start = f"({after}" if after else "-"
         while count is None or len(out) < count:
@@ -647,15 +757,20 @@ class Broker:
             start = f"({entries[-1][0]}"
         return out
 
+    @_reaching("reading the thread", False)
     async def entries(
         self, thread_id: str, *, after: str = "$", block_ms: int = 0
     ) -> list[tuple[str, Item]]:
         """Block until new items arrive after stream id `after` ('$': from now). For `tail`."""
         self._check_open()
         key = self.thread(thread_id).items
+        if after != "$":
+            _check_stream_id(after, "after")
+        block_ms = _check_count(block_ms, "block_ms") or 0
         reply = await self.redis.xread({key: after}, block=block_ms, count=1000)
         return [(sid, _codec.item_from_entry(sid, f)) for _, entries in reply for sid, f in entries]
 
+    @_reaching("taking the inbox", None)
     async def take_inbox(self, thread_id: str) -> list[Item]:
         """Drain the thread's inbox atomically, in order: the next turn's input."""
         self._check_open()
@@ -666,9 +781,11 @@ class Broker:
         raw, _ = await pipe.execute()
         return [_codec.item_from_inbox(r) for r in raw]
 
+    @_reaching("listing open prompts", False)
     async def open_prompts(self, limit: int | None = None) -> list[Prompt]:
         """Every pending prompt, oldest first: what is waiting on a person."""
         self._check_open()
+        limit = _check_count(limit, "limit")
         members: list[str] = await self.redis.zrange(self.keys.open, 0, -1)
         pairs = [self.keys.split_member(m) for m in members]
         out: list[Prompt] = []
@@ -689,6 +806,7 @@ class Broker:
 
     # -- audit ---------------------------------------------------------------------------------
 
+    @_reaching("posting the resolution", None)
     async def post_resolution(self, thread_id: str, prompt_id: str) -> str | None:
         """Post the prompt's `pending_prompt_resolved` item, exactly once.
 
@@ -755,7 +873,8 @@ def _pairs(flat: list[str]) -> dict[str, str]:
 
 
 def _epoch(epoch: int | None) -> str:
-    return "" if epoch is None else str(int(epoch))
+    checked = _check_epoch(epoch)
+    return "" if checked is None else str(checked)
 
 
 def _check_size(body: bytes, field: str) -> None:
@@ -786,6 +905,7 @@ def _check_prompt(kind: object, questions: object) -> tuple[Kind, list[Question]
             raise BadItem(f"questions[{i}]{loc}", err["msg"]) from None
         if len(qs[-1].options) > LIMITS["options"]:
             raise BadItem(f"questions[{i}].options", f"over the limit of {LIMITS['options']}")
+        _check_json(qs[-1].model_dump(exclude_none=True), f"questions[{i}]")
     if kind in ("approval", "text") and len(qs) != 1:
         raise BadItem("questions", f"a {kind} prompt has exactly one question, not {len(qs)}")
     if kind == "text" and qs[0].options:
@@ -810,17 +930,23 @@ def _check_item(item: Mapping[str, Any] | BaseModel, identity: str) -> _CheckedI
     data = item.model_dump() if isinstance(item, BaseModel) else item
     if not isinstance(data, Mapping):
         raise BadItem("item", f"expected an object, got {type(data).__name__}")
-    unknown = sorted(set(data) - _ITEM_KEYS)
+    unknown = sorted((k for k in data if k not in _ITEM_KEYS), key=repr)
     if unknown:
-        raise BadItem(f"item.{unknown[0]}", "unknown field (an item has content, metadata, author)")
+        name = unknown[0] if isinstance(unknown[0], str) else repr(unknown[0])
+        raise BadItem(
+            _key_path("item", _check_text(name, "item")),
+            "unknown field (an item has content, metadata, author)",
+        )
     author = _check_author(data.get("author", "user"))
     content = data.get("content", [])
     text, has_file = _check_content(content)
     metadata, type_ = _check_metadata(data.get("metadata"))
+    _check_json(content, "content")
+    _check_json(metadata, "metadata")
     is_self = author == identity
     if type_ in _RESERVED_TYPES and not is_self:
         raise BadItem("metadata.type", f"{type_!r} items are posted by the broker only")
-    body = orjson.dumps({"content": content, "metadata": metadata})
+    body = _dumps({"content": content, "metadata": metadata}, "item")
     _check_size(body, "item")
     checked = _CheckedItem(author, body, type_, is_self)
     if is_self:
@@ -828,24 +954,35 @@ def _check_item(item: Mapping[str, Any] | BaseModel, identity: str) -> _CheckedI
     named = metadata.get("prompt_id")
     if named is not None:
         checked.named = check_prompt_id(named, "metadata.prompt_id")
-    entries, refusal = check_structured(metadata.get("answers"))
+    _check_answers(checked, metadata.get("answers"), text, has_file)
+    return checked
+
+
+def _check_answers(checked: _CheckedItem, raw: object, text: str, has_file: bool) -> None:
+    """A person's `metadata.answers`, and the text to map when there is no usable set."""
+    if raw is not None and not isinstance(raw, list):
+        # Checked whatever the thread's state: a queued item must not carry it unchecked.
+        raise BadItem(
+            "metadata.answers",
+            f"expected a list of {{question, answer}} objects, got {type(raw).__name__}",
+        )
+    entries, refusal = check_structured(raw)
     if entries is not None:
         checked.structured = orjson.dumps(entries)
     checked.refusal = refusal or ""
     if text or has_file:
         checked.prepared = orjson.dumps(prepare(text))
     elif entries is None:
-        raise BadItem(
-            "content", refusal or "no text, no file and no metadata.answers: nothing to post"
-        )
-    return checked
+        if refusal:
+            raise BadItem("metadata.answers", refusal.removeprefix("metadata.answers: "))
+        raise BadItem("content", "no text, no file and no metadata.answers: nothing to post")
 
 
 def _check_author(author: object) -> str:
     limit = LIMITS["author_chars"]
     if not isinstance(author, str) or not author or len(author) > limit:
         raise BadItem("author", f"expected a non-empty string of at most {limit} characters")
-    return author
+    return _check_text(author, "author")
 
 
 def _check_metadata(metadata: object) -> tuple[Mapping[str, Any], str]:
@@ -882,3 +1019,89 @@ def _check_content(content: object) -> tuple[str, bool]:
                 raise BadItem(f"content[{i}].file.alias", "expected a non-empty string")
             has_file = True
     return "\n".join(texts), has_file
+
+
+def _check_text(value: str, field: str) -> str:
+    """A string Redis and JSON can carry: lone surrogates (from undecodable bytes, say) cannot."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadItem(
+                field, f"not valid Unicode text: a lone surrogate at character {e.start}"
+            ) from None
+    return value
+
+
+def _key_path(field: str, key: str) -> str:
+    simple = key.isascii() and key.replace("_", "a").replace("-", "a").isalnum()
+    return f"{field}.{key}" if simple else f"{field}[{key!a}]"
+
+
+def _check_json(value: object, field: str, depth: int = 0) -> None:
+    """Everything in `value` can be stored as JSON, or BadItem names the first place it cannot
+    (instead of the encoder's error, which names no field)."""
+    if depth > LIMITS["depth"]:
+        raise BadItem(field, f"nested more than {LIMITS['depth']} levels deep")
+    if isinstance(value, Mapping):
+        for key, inner in value.items():
+            if not isinstance(key, str):
+                raise BadItem(field, f"the key {key!r} is not a string")
+            path = _key_path(field, key)
+            _check_text(key, path)
+            _check_json(inner, path, depth + 1)
+    elif isinstance(value, list | tuple):
+        for i, inner in enumerate(value):
+            _check_json(inner, f"{field}[{i}]", depth + 1)
+    else:
+        _check_scalar(value, field)
+
+
+def _check_scalar(value: object, field: str) -> None:
+    if isinstance(value, str):
+        _check_text(value, field)
+    elif value is None or isinstance(value, bool):
+        return
+    elif isinstance(value, int):
+        if not -(2**63) <= value < 2**64:
+            raise BadItem(field, "an integer outside the 64-bit range JSON readers accept")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise BadItem(field, f"{value} is not a JSON number")
+    else:
+        try:
+            orjson.dumps(value)  # what the encoder takes as it is: datetimes, UUIDs, ...
+        except (TypeError, orjson.JSONEncodeError):
+            raise BadItem(
+                field, f"a {type(value).__name__} is not JSON (objects, lists, strings, numbers)"
+            ) from None
+
+
+def _check_epoch(epoch: object) -> int | None:
+    if epoch is None:
+        return None
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < 2**63:
+        raise BadItem("epoch", f"expected a lease epoch (a non-negative integer), got {epoch!r}")
+    return epoch
+
+
+def _check_count(value: object, field: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise BadItem(field, f"expected a non-negative integer, got {value!r}")
+    return value
+
+
+def _check_stream_id(value: object, field: str) -> str:
+    if not isinstance(value, str) or not _STREAM_ID.fullmatch(value):
+        raise BadItem(field, f"{value!r} is not a stream id (like 1700000000000-0)")
+    return value
+
+
+def _dumps(value: object, field: str) -> bytes:
+    """orjson, with anything it still refuses (after the checks above) as our own error."""
+    try:
+        return orjson.dumps(value)
+    except (TypeError, orjson.JSONEncodeError) as e:
+        raise BadItem(field, f"cannot be stored as JSON ({e})") from None

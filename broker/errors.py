@@ -9,7 +9,7 @@
     ├── ThreadNotFound       no such thread (nothing was ever posted to it, no session)
     ├── ThreadClosed         the thread was closed: it takes no more items
     ├── Fenced               the caller's lease epoch moved on (another replica holds it)
-    ├── BrokerUnavailable    Redis could not be reached; says whether the call took effect
+    ├── BrokerUnavailable    Redis unreachable or refusing writes (OOM); says whether it took effect
     └── BrokerClosed         the broker was used after it was closed
 
 `wait()` raises the builtin `TimeoutError` on timeout: the prompt stays open.
@@ -131,14 +131,19 @@ class Fenced(BrokerError):
 
 
 class BrokerUnavailable(BrokerError, ConnectionError):
-    """Redis could not be reached. `took_effect` is False when the call certainly did nothing,
-    None when that is unknown (the message says so, and how to find out)."""
+    """Redis could not be reached, or refused to store anything (over `maxmemory`, a read-only
+    replica). `took_effect` is False when the call certainly did nothing, None when that is
+    unknown (the message says so). `refused` is True when Redis answered but would not write."""
 
-    def __init__(self, what: str, cause: BaseException, took_effect: bool | None) -> None:
+    def __init__(
+        self, what: str, cause: BaseException, took_effect: bool | None, *, refused: bool = False
+    ) -> None:
         self.cause = cause
         self.took_effect = took_effect
+        self.refused = refused
         outcome = {False: "it did not take effect", None: "it may or may not have taken effect"}
-        super().__init__(f"{what}: Redis could not be reached ({cause}); {outcome[took_effect]}")
+        problem = "Redis refused to store it" if refused else "Redis could not be reached"
+        super().__init__(f"{what}: {problem} ({cause}); {outcome[took_effect]}")
 
 
 class BrokerClosed(BrokerError, RuntimeError):

@@ -1,8 +1,10 @@
 """Answer mapping, structured answers, the approval verdict and content rendering (pure, no Redis).
 
-The rules are the spec's "Answering" section (interactive-prompts.md) and sections 1.3, 1.4,
-1.9-1.11 and edge cases 15-40 of reference-behaviour.md, plus our one documented improvement:
-multi-select labels containing spaces can be picked by name.
+The rules: text is mapped per kind (approval by affirmative words, questions by number or label,
+free text as it stands), structured sets are checked against the prompt, and the verdict and the
+item texts have fixed shapes. The edge cases covered are the awkward ones: numbers out of range,
+non-ASCII digits, case and whitespace, commas, empty sets, malformed sets. Our improvement over
+the earlier implementation: multi-select labels containing spaces can be picked by name.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from hypothesis import strategies as st
 
 from broker.answers import (
     AFFIRMATIVE,
+    accept_structured,
     answered_content,
     cancelled_content,
     check_structured,
     is_affirmative,
     map_text,
+    matchers,
     prepare,
     render_content,
     verdict,
@@ -379,20 +383,30 @@ def test_non_ascii_digits_among_numbers_in_multi_select() -> None:
 # -- structured answers (check_structured) ----------------------------------------------------
 
 
-@pytest.mark.parametrize("raw", [None, []])
-def test_structured_absent_or_empty_list_is_absent(raw: Any) -> None:
-    """A missing or empty `metadata.answers` is treated as absent, not as malformed."""
-    assert check_structured(raw) == (None, None)
+def test_structured_absent_is_absent() -> None:
+    assert check_structured(None) == (None, None)
+
+
+def test_structured_empty_list_is_refused() -> None:
+    """An empty set answers nothing: it is refused (and so reported), never silently dropped."""
+    assert check_structured([]) == (None, "metadata.answers: an empty list answers no question")
 
 
 def test_structured_set_is_used_verbatim() -> None:
     """A well-shaped set comes back as sent: labels not validated, case kept, empty list allowed."""
     raw = [
         {"question": "Where from?", "answer": ["csv IMPORT"]},
-        {"question": "Which sections?", "answer": []},
+        {"question": "Which  SECTIONS? ", "answer": []},
         {"answer": ["not an option", "Table"]},
     ]
-    assert check_structured(raw) == (raw, None)
+    assert check_structured(raw) == (
+        [
+            {"question": "Where from?", "qfold": "where from?", "answer": ["csv IMPORT"]},
+            {"question": "Which  SECTIONS? ", "qfold": "which sections?", "answer": []},
+            {"answer": ["not an option", "Table"]},
+        ],
+        None,
+    )
 
 
 def test_structured_question_kept_only_when_sent() -> None:
@@ -433,6 +447,67 @@ def test_structured_malformed_is_refused_naming_the_field(raw: Any, where: str) 
 def test_structured_non_list_refusal_names_the_type() -> None:
     """The refusal of a non-list set says what was sent instead."""
     assert check_structured({"answer": []}) == (None, "metadata.answers: expected a list, got dict")
+
+
+# -- structured answers against the prompt (accept_structured) --------------------------------
+
+TWO = [
+    Question(question="Where should the data come from?", options=[]),
+    Question(question="Which sections?", options=[], multiSelect=True),
+]
+
+
+def _accept(raw: list[dict[str, Any]]) -> tuple[list[Answer] | None, str | None]:
+    entries, why = check_structured(raw)
+    assert entries is not None, why
+    return accept_structured(matchers(TWO), entries)
+
+
+def test_structured_question_must_name_the_prompts_question() -> None:
+    """An entry naming another question refuses the whole set, saying which and why."""
+    answers, why = _accept([{"question": "Wrong q", "answer": ["B"]}, {"answer": ["Table"]}])
+    assert answers is None
+    assert why == (
+        'metadata.answers[0].question: "Wrong q" is not question 1 of the prompt '
+        '("Where should the data come from?")'
+    )
+
+
+def test_structured_questions_in_the_wrong_order_are_refused() -> None:
+    answers, why = _accept(
+        [
+            {"question": "Which sections?", "answer": ["Table"]},
+            {"question": "Where should the data come from?", "answer": ["CSV"]},
+        ]
+    )
+    assert answers is None and why is not None and why.startswith("metadata.answers[0].question")
+
+
+def test_structured_question_may_differ_in_case_and_whitespace() -> None:
+    """Case and whitespace may differ; the answers carry the prompt's own wording."""
+    answers, why = _accept(
+        [
+            {"question": "  where SHOULD the\tdata come from? ", "answer": ["CSV"]},
+            {"question": "WHICH sections?", "answer": ["Table"]},
+        ]
+    )
+    assert why is None
+    assert answers == [
+        Answer(question="Where should the data come from?", answer=["CSV"]),
+        Answer(question="Which sections?", answer=["Table"]),
+    ]
+
+
+def test_structured_entries_without_question_go_by_position() -> None:
+    answers, why = _accept([{"answer": ["CSV"]}, {"answer": []}])
+    assert why is None and answers is not None
+    assert [a.question for a in answers] == [q.question for q in TWO]
+
+
+def test_structured_wrong_arity_is_refused_before_questions() -> None:
+    answers, why = _accept([{"question": "Wrong q", "answer": ["B"]}])
+    assert answers is None
+    assert why == "metadata.answers: the prompt has 2 question(s), the item answers 1"
 
 
 # -- the approval verdict ------------------------------------------------------------------------
@@ -689,7 +764,7 @@ def test_prepare_is_json_serialisable(text: str) -> None:
 
 
 def _reference_resolve(token: str, labels: Sequence[str]) -> str | None:
-    """Spec 1.10 token resolution, with non-ASCII digits as text (edge case 30)."""
+    """The earlier implementation's token resolution, with non-ASCII digits taken as text."""
     token = token.strip()
     if token.isascii() and token.isdigit():
         digits = token.lstrip("0")

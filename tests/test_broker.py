@@ -9,6 +9,7 @@ import pytest
 from redis.asyncio import Redis
 
 from broker import (
+    Answer,
     BadItem,
     Broker,
     BrokerClosed,
@@ -185,12 +186,75 @@ async def test_malformed_structured_answers_refused_text_mapped(broker: Broker) 
     )
 
 
-async def test_empty_structured_answers_is_absent(broker: Broker) -> None:
-    """An empty `metadata.answers` list is treated as absent."""
+async def test_empty_structured_answers_reported_refused(broker: Broker) -> None:
+    """An empty `metadata.answers` list answers nothing: the text is mapped, and it says so."""
     await broker.ask("t", "approval", [APPROVAL])
     r = await broker.post_item("t", text("ok", answers=[]))
-    assert r.source == "text" and r.refused_answers is None
+    assert r.source == "text"
+    assert r.refused_answers == "metadata.answers: an empty list answers no question"
     assert [a.answer for a in r.answers or []] == [["Approve"]]
+
+
+async def test_empty_structured_answers_alone_refused_nothing_written(broker: Broker) -> None:
+    await broker.ask("t", "approval", [APPROVAL])
+    before = await stream_len(broker, "t")
+    with pytest.raises(BadItem) as e:
+        await broker.post_item("t", {"content": [], "metadata": {"answers": []}})
+    assert e.value.field == "metadata.answers"
+    assert await stream_len(broker, "t") == before
+
+
+async def test_structured_answer_naming_another_question_refused_text_mapped(
+    broker: Broker,
+) -> None:
+    """An entry whose `question` is not the prompt's question at its position refuses the set:
+    the text is mapped, the reason reported, and nothing keeps the wrong question."""
+    p = await broker.ask("t", "ask_user_question", [TARGET])
+    r = await broker.post_item(
+        "t", text("2", answers=[{"question": "Wrong q", "answer": ["staging"]}])
+    )
+    assert r.source == "text"
+    assert r.refused_answers == (
+        'metadata.answers[0].question: "Wrong q" is not question 1 of the prompt '
+        f'("{TARGET["question"]}")'
+    )
+    assert r.answers == [Answer(question=TARGET["question"], answer=["production"])]
+    stored = await broker.get_prompt("t", p.prompt_id)
+    assert stored.source == "text" and stored.answers == r.answers
+
+
+async def test_structured_answer_question_case_and_space_may_differ(broker: Broker) -> None:
+    """The question is compared folded; the record keeps the prompt's own wording."""
+    p = await broker.ask("t", "ask_user_question", [TARGET, SECTIONS])
+    answers = [
+        {"question": "  what's the DEPLOYMENT   target? ", "answer": ["staging"]},
+        {"question": "WHICH SECTIONS?", "answer": ["Table"]},
+    ]
+    r = await broker.post_item("t", text("summary", answers=answers))
+    assert r.source == "structured" and r.refused_answers is None
+    expected = [
+        Answer(question=TARGET["question"], answer=["staging"]),
+        Answer(question=SECTIONS["question"], answer=["Table"]),
+    ]
+    assert r.answers == expected
+    assert (await broker.get_prompt("t", p.prompt_id)).answers == expected
+
+
+@pytest.mark.parametrize("active", [True, False])
+@pytest.mark.parametrize("raw", [{"answer": ["a"]}, "Approve", 7])
+async def test_structured_answers_not_a_list_refused_always(
+    broker: Broker, active: bool, raw: Any
+) -> None:
+    """A `metadata.answers` that is not a list is refused whether or not a prompt is active
+    (a queued item never carries it unchecked), naming the field; nothing is written."""
+    if active:
+        await broker.ask("t", "approval", [APPROVAL])
+    before = await stream_len(broker, "t")
+    with pytest.raises(BadItem) as e:
+        await broker.post_item("t", text("yes", answers=raw))
+    assert e.value.field == "metadata.answers"
+    assert await stream_len(broker, "t") == before
+    assert await broker.redis.llen(broker.thread("t").inbox) == 0
 
 
 async def test_contentless_structured_answer_accepted(broker: Broker) -> None:

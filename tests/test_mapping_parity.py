@@ -1,4 +1,5 @@
-"""route.lua's text mapping equals Python's `map_text`, on fakeredis and on a real redis-server.
+"""route.lua's text mapping equals Python's `map_text`, and its check of structured answers equals
+`accept_structured`, on fakeredis and on a real redis-server.
 
 The answer path maps text inside Redis (broker/lua/route.lua, a port of `answers.map_prepared`).
 Each example asks a generated prompt through `Broker.ask` on a fresh thread, posts a generated
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from redis.asyncio import Redis
 
 from broker import Answer, Broker, Option, Question, Settings, map_text
+from broker.answers import accept_structured, check_structured, matchers
 
 # -- running one example -------------------------------------------------------------------------
 
@@ -218,3 +220,74 @@ def test_route_lua_maps_text_like_python(
     kind, questions, text = case
     expected = map_text(kind, questions, text)  # type: ignore[arg-type]
     assert routed_answers(redis_url, kind, questions, text) == expected
+
+
+# -- structured answers: route.lua's check equals `accept_structured` -----------------------------
+
+
+async def _route_structured(
+    url: str | None, questions: list[Question], raw: list[dict[str, Any]]
+) -> Any:
+    prefix = "par" + uuid.uuid4().hex[:12]
+    client: Redis
+    if url is None:
+        client = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    else:
+        client = Redis.from_url(url, decode_responses=True)
+    try:
+        async with Broker(client, Settings(key_prefix=prefix)) as broker:
+            thread = "th-" + uuid.uuid4().hex[:8]
+            await broker.ask(thread, "ask_user_question", questions)
+            item = {"content": [{"type": "text", "text": "x"}], "metadata": {"answers": raw}}
+            return await broker.post_item(thread, item)
+    finally:
+        if url is not None:
+            await _delete_prefix(client, prefix)
+        await client.aclose()
+
+
+def _spellings(question: str) -> list[str]:
+    return [question, question.upper(), f"  {question}  ", question.replace(" ", "\t  "), "Wrong q"]
+
+
+@st.composite
+def structured_cases(draw: st.DrawFn) -> tuple[list[Question], list[dict[str, Any]]]:
+    questions = draw(st.lists(choice_questions, min_size=1, max_size=3))
+    n = draw(st.sampled_from([len(questions), len(questions), max(1, len(questions) - 1)]))
+    raw: list[dict[str, Any]] = []
+    texts = [q.question for q in questions]
+    for i in range(n):
+        entry: dict[str, Any] = {"answer": draw(st.lists(labels, max_size=2))}
+        own = texts[i] if i < len(texts) else "extra"
+        named = draw(st.sampled_from([None, *_spellings(own), *texts]) | question_texts)
+        if named is not None:
+            entry["question"] = named
+        raw.append(entry)
+    return questions, raw
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(structured_cases())
+@example(([Question(question="Target?")], [{"question": "Wrong q", "answer": ["B"]}]))
+@example(([Question(question="Straße?")], [{"question": "STRASSE?", "answer": ["B"]}]))
+@example(([Question(question="a b")], [{"question": "A\u00a0B", "answer": []}]))
+def test_route_lua_checks_structured_answers_like_python(
+    redis_url: str | None, case: tuple[list[Question], list[dict[str, Any]]]
+) -> None:
+    """route.lua accepts exactly the sets `accept_structured` accepts, with the same answers,
+    and refuses the others with the same reason (the text is mapped then)."""
+    questions, raw = case
+    entries, why = check_structured(raw)
+    assert entries is not None, why
+    expected, refusal = accept_structured(matchers(questions), entries)
+    routed = asyncio.run(_route_structured(redis_url, questions, raw))
+    assert routed.outcome == "answered"
+    if expected is not None:
+        assert (routed.source, routed.answers, routed.refused_answers) == (
+            "structured",
+            expected,
+            None,
+        )
+    else:
+        assert (routed.source, routed.refused_answers) == ("text", refusal)
+        assert routed.answers == map_text("ask_user_question", questions, "x")

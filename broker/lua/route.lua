@@ -74,6 +74,16 @@ local function map_question(p, m)
   return out
 end
 
+-- A prompt asked before questions were stored folded has no `qfold`: fold it as far as Lua
+-- can (ASCII case, ASCII whitespace). A question that differs beyond that is refused, and the
+-- text is mapped: the safe side.
+local function question_fold(m)
+  if m.qfold ~= nil then return m.qfold end
+  local words = {}
+  for w in string.gmatch(string.lower(m.question), '%S+') do words[#words + 1] = w end
+  return table.concat(words, ' ')
+end
+
 local function map_prepared(kind, ms, p)
   local out = {}
   for i = 1, #ms do
@@ -127,15 +137,26 @@ local ms = cjson.decode(match)
 local questions, answers, source, refusal = {}, nil, nil, ARGV[8]
 for i = 1, #ms do questions[i] = ms[i].question end
 if ARGV[7] ~= '' then
+  -- `accept_structured` of broker/answers.py, ported line for line (a test holds them equal).
   local given = cjson.decode(ARGV[7])
-  if #given == #ms then
-    answers, source = {}, 'structured'
-    for i = 1, #given do
-      answers[i] = given[i].answer
-      if type(given[i].question) == 'string' then questions[i] = given[i].question end
-    end
-  else
+  if #given ~= #ms then
     refusal = 'metadata.answers: the prompt has ' .. #ms .. ' question(s), the item answers ' .. #given
+  else
+    local named_wrong = nil
+    for i = 1, #given do
+      if given[i].qfold ~= nil and given[i].qfold ~= question_fold(ms[i]) then
+        named_wrong = i
+        break
+      end
+    end
+    if named_wrong then
+      local i = named_wrong
+      refusal = 'metadata.answers[' .. (i - 1) .. '].question: "' .. given[i].question
+        .. '" is not question ' .. i .. ' of the prompt ("' .. ms[i].question .. '")'
+    else  -- every named question matched: the set answers, in the prompt's own words
+      answers, source = {}, 'structured'
+      for i = 1, #given do answers[i] = given[i].answer end
+    end
   end
 end
 local raw = nil  -- the person's words, kept for the resume text of a parked approval
