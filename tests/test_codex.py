@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -66,10 +67,11 @@ from workers.codex import (
 )
 from workers.fakes.responses import FakeResponses
 from workers.fleet import Fleet
-from workers.harness import GateVerdict, PromptParked, Turn, TurnResult
+from workers.harness import GateVerdict, Interruption, PromptParked, Turn, TurnResult
 from workers.replica import Replica
 
 CODEX = find_codex()
+REPO = Path(__file__).resolve().parents[1]
 if CODEX is None:
     pytest.skip(
         "the Codex CLI is not installed: `npm install` at the repository root installs the "
@@ -1206,6 +1208,125 @@ async def test_replica_process_sigkilled_while_codex_waits(
         await person.aclose()
 
 
+# -- a turn cut off by SIGKILL: the truth about the call in flight ------------------------------
+
+
+@pytest.mark.parametrize("moment", ["during", "after"])
+async def test_sigkilled_turn_leaves_the_truth_about_its_call(
+    moment: str, real_redis_url: str, prefix: str, fake: FakeResponses, tmp_path: Path
+) -> None:
+    """A stand-in replica process (tests/codex_crash_child.py: one Codex turn, its store and
+    question state in Redis) is SIGKILLed while an approved `echo RAN >> marker; sleep N` runs
+    (`during`), or after it finished while the model's next reply is pending (`after`).
+
+    Nothing it started is alive 1 s later (Codex reads EOF on its stdin, the pipe from the dead
+    process, and ends its command's process group). `describe_interruption` then says what is
+    known: "was interrupted; it may or may not have taken effect" / "ran, exit code 0", never
+    "aborted". The next turn, given that `Interruption`, resumes a transcript in which the call
+    carries that truth (not Codex's "aborted"), the model is told first, and nothing runs
+    again: the marker holds one line."""
+    from tests.codex_crash_child import RedisStore
+
+    work = tmp_path / "work"
+    work.mkdir()
+    marker = work / "marker"
+    cmd = f"echo RAN >> {marker}; sleep {8 if moment == 'during' else 1}"
+    if moment == "after":  # the model's reply to the command's output never comes in time
+        fake.delay = lambda req: 60.0 if req.step == 1 else 0.0
+    redis = Redis.from_url(real_redis_url, decode_responses=True)
+    try:
+        await _kill_mid_turn(real_redis_url, prefix, fake, work, f"run!: {cmd}", moment=moment)
+        store = RedisStore(redis, prefix)
+        state = json.loads(await redis.get(f"{prefix}:state") or "null")
+        assert state is not None and state.get("open") is True
+        note = await CodexHarness().describe_interruption("crash", state, store)
+        if moment == "during":
+            assert note == (
+                f"`{bash(cmd)}` was interrupted; it may or may not have taken effect;"
+                " check before running it again"
+            )
+        else:
+            assert note == f"`{bash(cmd)}` ran, exit code 0"
+        assert "aborted" not in note and "failed" not in note
+
+        fake.delay = None
+        before = len(fake.requests)
+        emitted: list[str] = []
+
+        async def emit(text_: str) -> None:
+            emitted.append(text_)
+
+        turn = Turn(
+            thread_id="crash",
+            prompt="say: carrying on",
+            permissions="approval",
+            config=codex_config(fake),
+            state=state,
+            handle=Handle(),  # asks nobody: nothing is run again
+            emit=emit,
+            work_folder=str(work),
+            store=store,
+            interrupted=Interruption(note=note),
+        )
+        result = await asyncio.wait_for(CodexHarness().run_turn(turn), 60)
+        assert result.status == "completed", result.error
+        told = fake.requests[before]  # what the model receives next
+        assert told.user_text.startswith("Your previous turn was cut off before it ended")
+        assert note in told.user_text
+        (output,) = told.outputs().values()
+        if moment == "during":
+            assert output == note + "."
+        else:
+            assert "Process exited with code 0" in output
+        assert_no_foreign_refusal(told)
+        assert emitted == ["carrying on"]
+        await asyncio.sleep(0.5)
+        assert marker.read_text() == "RAN\n"  # ran once, never again
+    finally:
+        await delete_prefix(redis, prefix)
+        await redis.aclose()
+
+
+async def _kill_mid_turn(
+    url: str, prefix: str, fake: FakeResponses, work: Path, prompt: str, *, moment: str
+) -> None:
+    """Start the stand-in replica, SIGKILL it at `moment`, and check that nothing it started
+    is alive 1 s later."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.codex_crash_child",
+        url,
+        prefix,
+        fake.base_url,
+        str(work),
+        prompt,
+        stdout=asyncio.subprocess.PIPE,
+        cwd=str(REPO),
+    )
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(child.stdout.readline(), 60)
+        assert line.startswith(b"spawn "), line
+        if moment == "during":
+            await until(lambda: truthy((work / "marker").exists()), "the command to start")
+        else:
+            await until(lambda: truthy(len(fake.requests) == 2), "the model call after it")
+        started = await asyncio.to_thread(_descendants, child.pid)
+        assert any(comm == "codex" for _, comm in started)
+        if moment == "during":
+            assert any(comm == "sleep" for _, comm in started), started
+        child.kill()  # SIGKILL: nothing is released, nothing is said to Codex
+        await child.wait()
+        await asyncio.sleep(1.0)
+        alive = [(pid, comm) for pid, comm in started if _alive(pid)]
+        assert alive == [], f"still alive 1 s after the SIGKILL: {alive}"
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+
+
 # -- small helpers --------------------------------------------------------------------------------
 
 
@@ -1234,6 +1355,27 @@ def _children_named_now(pid: int, name: str) -> list[int]:
                 continue
             if comm == name:
                 found.append(int(child))
+    return found
+
+
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    """Every live descendant of `pid` (Linux /proc), as `(pid, command name)`."""
+    found: list[tuple[int, str]] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                children = task.read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                try:
+                    comm = Path(f"/proc/{child}/comm").read_text().strip()
+                except OSError:
+                    continue
+                found.append((child, comm))
+                todo.append(child)
     return found
 
 

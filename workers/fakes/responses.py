@@ -231,7 +231,8 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
 class FakeResponses:
     """The fake Responses API on 127.0.0.1: `start()`, use `.base_url`, `stop()`.
 
-    `responder` decides each reply (default: `plan`); `hold` (seconds) delays every reply.
+    `responder` decides each reply (default: `plan`); `hold` (seconds) delays every reply, and
+    `delay(request)`, when set, the seconds to hold that one (a model call left pending).
     """
 
     def __init__(
@@ -241,6 +242,7 @@ class FakeResponses:
         self.requests: list[Request] = []
         self.other: list[str] = []  # any request that was not POST .../responses
         self.hold = 0.0
+        self.delay: Callable[[Request], float] | None = None
         self._lock = threading.Lock()
         fake = self
 
@@ -265,8 +267,9 @@ class FakeResponses:
                 req = fake.responder(body)
                 with fake._lock:
                     fake.requests.append(req)
-                if fake.hold:
-                    time.sleep(fake.hold)
+                wait = fake.hold or (fake.delay(req) if fake.delay is not None else 0.0)
+                if wait:
+                    time.sleep(wait)
                 self._send(200, fake.stream(req.reply), "text/event-stream")
 
             def _send(self, status: int, data: bytes, ctype: str) -> None:
