@@ -35,6 +35,8 @@ NAMES = (
     "grant",
     "beat",
     "prompt",
+    "interrupt",
+    "close",
 )
 
 

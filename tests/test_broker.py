@@ -547,3 +547,15 @@ async def test_ask_goes_ahead_when_the_bell_cannot_be_subscribed(
     monkeypatch.setattr(agent._waiter, "subscribe", real_subscribe)
     await surface.post_item("t", text("yes"))
     assert (await agent.wait("t", p.prompt_id, timeout=5))[0].answer == ["Approve"]
+
+
+def test_every_script_is_loaded() -> None:
+    """Every script in broker/lua is one `Scripts` knows (a new one left out fails here)."""
+    from importlib import resources
+
+    from broker._scripts import NAMES
+
+    lua = resources.files("broker") / "lua"
+    files = {p.name.removesuffix(".lua") for p in lua.iterdir() if p.name.endswith(".lua")}
+    assert set(NAMES) == files - {"_lib"}
+    assert len(NAMES) == len(set(NAMES))
