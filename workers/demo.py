@@ -20,8 +20,6 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +27,10 @@ from ulid import ULID
 
 from broker import Broker, Item, Prompt, Settings
 from broker.cli import render_item
+from workers.demo_agents import Case, Rig, agent_rig
 from workers.fleet import Fleet
 
-__all__ = ["HARNESSES", "Case", "Effect", "Rig", "run_demo"]
+__all__ = ["HARNESSES", "ScriptedRig", "run_demo"]
 
 #: What `--harness` takes: the scripted agents, or a real agent CLI against a fake model.
 HARNESSES = ("scripted", "claude_code", "codex")
@@ -56,50 +55,11 @@ def _tool(command: str, output: str) -> dict[str, Any]:
     return {"tool": "Bash", "input": {"command": command}, "output": output}
 
 
-#: A check made once the scenario is over: what it checks, and whether it holds.
-Effect = tuple[str, Callable[[], bool]]
-
-
-@dataclass
-class Case:
-    """One thread of the scenario: its script, how the person answers, what must come out."""
-
-    thread: str
-    steps: list[dict[str, Any]]  # a scripted agent's steps (empty for a real agent)
-    answers: list[dict[str, Any]]  # one item per prompt, in order
-    # substrings of agent output lines, each exactly once; a tuple: one of them, once in all
-    expect: list[str | tuple[str, ...]]
-    victim: bool = False  # asked to be on the replica that gets killed
-    prompts: int = 0
-    notes: list[str] = field(default_factory=list)
-    message: str = "Please go ahead."  # the person's first message
-    config: dict[str, Any] | None = None  # a real agent's harness config (None: scripted)
-    work_folder: str = ""
-    effects: list[Effect] = field(default_factory=list)  # what must hold afterwards
-
-
-class Rig:
-    """What a harness brings to the scenario: the scripted agents here, the real agent CLIs in
-    `workers.demo_agents`."""
-
-    harness = "scripted"
-    label = "scripted agents"  # the agents, in words
-    patience = 30.0  # seconds to wait for one agent step (a real CLI starts slowly)
-    session_key: str | None = None  # the harness state's key naming the agent session, if any
-    session_word = ""  # that session, in words: "Claude session", "Codex thread"
-
-    def __init__(self) -> None:
-        self.env: dict[str, str] = {}  # extra environment for the fleet's processes
+class ScriptedRig(Rig):
+    """The scripted agents: no model, no network."""
 
     def cases(self, tag: str) -> list[Case]:
         return _cases(tag)
-
-    def evidence(self, case: Case, doomed: bool) -> list[str]:
-        """What else is wrong with the thread, seen from outside the broker (the model's side)."""
-        return []
-
-    def close(self) -> None:
-        pass
 
 
 def _text(t: str) -> dict[str, Any]:
@@ -226,11 +186,9 @@ def _check(case: Case, items: list[Item], prompts: dict[str, Prompt]) -> list[st
 
 def _rig(harness: str) -> Rig:
     if harness == "scripted":
-        return Rig()
+        return ScriptedRig()
     if harness not in HARNESSES:
         raise ValueError(f"no demo for {harness!r} (have: {', '.join(HARNESSES)})")
-    from workers.demo_agents import agent_rig
-
     return agent_rig(harness)
 
 

@@ -1,5 +1,8 @@
 """`prompt-broker demo --harness claude_code|codex`: the demo's scenario on the real agent CLIs.
 
+It also holds what every rig shares, `Case` and the `Rig` interface, so that `workers.demo` (the
+scenario, and the scripted rig) imports this module and never the other way round.
+
 The model is a fake, served by the demo's own process on 127.0.0.1 (a free port): the Anthropic
 Messages API for Claude Code (`workers.fakes.anthropic`, a script per thread, found by the thread
 name in its first message), the Responses API for Codex (`workers.fakes.responses`, whose script
@@ -37,11 +40,11 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from workers.codex import PINNED_VERSION, find_codex
-from workers.demo import Case, Effect, Rig
 from workers.fakes.anthropic import (
     Block,
     FakeAnthropic,
@@ -55,7 +58,53 @@ from workers.fakes.anthropic import (
 )
 from workers.fakes.responses import FakeResponses
 
-__all__ = ["ClaudeRig", "CodexRig", "agent_rig", "missing_cli"]
+__all__ = ["Case", "ClaudeRig", "CodexRig", "Effect", "Rig", "agent_rig", "missing_cli"]
+
+#: A check made once the scenario is over: what it checks, and whether it holds.
+Effect = tuple[str, Callable[[], bool]]
+
+
+@dataclass
+class Case:
+    """One thread of the scenario: its script, how the person answers, what must come out."""
+
+    thread: str
+    steps: list[dict[str, Any]]  # a scripted agent's steps (empty for a real agent)
+    answers: list[dict[str, Any]]  # one item per prompt, in order
+    # substrings of agent output lines, each exactly once; a tuple: one of them, once in all
+    expect: list[str | tuple[str, ...]]
+    victim: bool = False  # asked to be on the replica that gets killed
+    prompts: int = 0
+    notes: list[str] = field(default_factory=list)
+    message: str = "Please go ahead."  # the person's first message
+    config: dict[str, Any] | None = None  # a real agent's harness config (None: scripted)
+    work_folder: str = ""
+    effects: list[Effect] = field(default_factory=list)  # what must hold afterwards
+
+
+class Rig:
+    """What a harness brings to the scenario (`workers.demo` runs it): the scripted agents
+    (`workers.demo.ScriptedRig`), or a real agent CLI below."""
+
+    harness = "scripted"
+    label = "scripted agents"  # the agents, in words
+    patience = 30.0  # seconds to wait for one agent step (a real CLI starts slowly)
+    session_key: str | None = None  # the harness state's key naming the agent session, if any
+    session_word = ""  # that session, in words: "Claude session", "Codex thread"
+
+    def __init__(self) -> None:
+        self.env: dict[str, str] = {}  # extra environment for the fleet's processes
+
+    def cases(self, tag: str) -> list[Case]:
+        raise NotImplementedError
+
+    def evidence(self, case: Case, doomed: bool) -> list[str]:
+        """What else is wrong with the thread, seen from outside the broker (the model's side)."""
+        return []
+
+    def close(self) -> None:
+        pass
+
 
 #: Seconds to wait for one agent step: a real CLI takes seconds to start on a loaded machine.
 PATIENCE = 120.0
