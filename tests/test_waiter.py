@@ -9,11 +9,13 @@ pub/sub connection cannot come back, and SIGSTOP of the server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
+import random
 import signal
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -95,6 +97,10 @@ async def _is_zero(n: Any) -> bool:
     return await n == 0
 
 
+async def _is(n: Awaitable[int], expected: int) -> bool:
+    return await n == expected
+
+
 # -- faults on a server of our own -------------------------------------------------------
 
 
@@ -140,6 +146,11 @@ class Rig:
         """Drop the agent's pub/sub connection and keep it from logging in again."""
         await self.user_on(False)
         await self.admin.execute_command("CLIENT", "KILL", "USER", self.user)
+
+    async def subscriptions(self) -> int:
+        """How many channels the agent's own pub/sub connection is subscribed to."""
+        clients = await self.admin.client_list(_type="pubsub")
+        return sum(int(c["sub"]) for c in clients if c.get("name") == self.name)
 
     async def pubsub_connections(self) -> int:
         clients = await self.admin.client_list(_type="pubsub")
@@ -257,3 +268,43 @@ async def test_wait_with_redis_down_is_unavailable(server: RedisServer) -> None:
     finally:
         await fresh.aclose()
         await broker.aclose()
+
+
+@pytest.mark.real_redis
+async def test_pubsub_killed_over_and_over_while_waits_subscribe_and_are_cancelled(
+    make_rig: Callable[..., Any], loop_errors: list[dict[str, Any]]
+) -> None:
+    """`CLIENT KILL` of the waiter's pub/sub connection, again and again, while waits start
+    subscribing and are cancelled at random points of that: afterwards the waiter is whole, one
+    connection, every later answer arrives (the sweep an hour away), and nothing is left for the
+    event loop to complain about."""
+    rng = random.Random(7)
+    rig = await make_rig(NEVER)
+    prompts = [await rig.surface.ask(f"s{i}", "approval", [APPROVAL]) for i in range(12)]
+    stop = asyncio.Event()
+
+    async def killer() -> int:
+        kills = 0
+        while not stop.is_set():
+            kills += int(await rig.admin.execute_command("CLIENT", "KILL", "USER", rig.user))
+            await asyncio.sleep(rng.uniform(0, 0.02))
+        return kills
+
+    killing = asyncio.create_task(killer())
+    for i in range(60):
+        p = prompts[i % len(prompts)]
+        started = asyncio.create_task(rig.agent.wait(p.thread_id, p.prompt_id))
+        await asyncio.sleep(rng.uniform(0, 0.01))
+        started.cancel()
+        with contextlib.suppress(asyncio.CancelledError, BrokerUnavailable):
+            await started
+    stop.set()
+    assert await killing > 0
+    waits = [asyncio.create_task(rig.agent.wait(p.thread_id, p.prompt_id)) for p in prompts]
+    await until(lambda: _is(rig.subscriptions(), len(prompts)), "every wait's subscription")
+    for p in prompts:
+        await rig.surface.post_item(p.thread_id, text("yes"))
+    results = await asyncio.wait_for(asyncio.gather(*waits), 8)
+    assert all(r[0].answer == ["Approve"] for r in results)
+    assert await rig.pubsub_connections() == 1
+    await no_loop_errors(loop_errors)
