@@ -67,3 +67,16 @@ def of_type(items: Sequence[Item], type_: str) -> list[Item]:
 def outputs(items: Sequence[Item]) -> list[str]:
     """The agent's output lines, in order."""
     return [i.text for i in of_type(items, "agent_output")]
+
+
+async def began_waiting(broker: Any, thread_id: str, prompt_id: str) -> None:
+    """Until `broker`'s wait on the prompt is registered and its channel's subscription is
+    confirmed: the wait has begun (a condition, not a guess at how long that takes)."""
+    waiter = broker._waiter
+    wake = broker.thread(thread_id).wake
+
+    async def began() -> bool:
+        ch = waiter._channels.get(wake)
+        return prompt_id in waiter._waits and ch is not None and ch.confirmed.is_set()
+
+    await until(began, f"the wait on {prompt_id} to begin")

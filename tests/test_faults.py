@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 
 from broker import Broker, Settings
 from tests.conftest import RedisServer
-from tests.helpers import text
+from tests.helpers import began_waiting, text, until
 
 pytestmark = pytest.mark.real_redis
 
@@ -40,7 +40,7 @@ async def open_waits(agent: Broker, n: int) -> list[tuple[str, asyncio.Task[Any]
     for i in range(n):
         p = await agent.ask(f"t{i}", "approval", [APPROVAL])
         waits.append((f"t{i}", asyncio.create_task(agent.wait(f"t{i}", p.prompt_id, timeout=20))))
-    await asyncio.sleep(0.2)
+        await began_waiting(agent, f"t{i}", p.prompt_id)
     return waits
 
 
@@ -59,12 +59,18 @@ async def test_pubsub_killed_then_answers(
     agent, surface = brokers
     waits = await open_waits(agent, 20)
     assert await kill_pubsub(server) == 1
-    await asyncio.sleep(0.3)  # the waiter has reconnected by now
+    # Posted once the waiter is back (every channel subscribed again), so the bells are heard.
+    await until(lambda: _resubscribed(agent, [t for t, _ in waits]), "the resubscription")
     for thread, _ in waits:
         await surface.post_item(thread, text("yes"))
     results = await asyncio.gather(*(w for _, w in waits))
     assert all(r[0].answer == ["Approve"] for r in results)
     assert agent._waiter.reconnects >= 1
+
+
+async def _resubscribed(agent: Broker, threads: list[str]) -> bool:
+    counts = await agent.redis.pubsub_numsub(*(agent.thread(t).wake for t in threads))
+    return all(n == 1 for _, n in counts)
 
 
 async def test_answers_while_pubsub_down_are_not_lost(
