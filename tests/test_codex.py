@@ -1240,13 +1240,7 @@ async def test_sigkilled_turn_leaves_the_truth_about_its_call(
         state = json.loads(await redis.get(f"{prefix}:state") or "null")
         assert state is not None and state.get("open") is True
         note = await CodexHarness().describe_interruption("crash", state, store)
-        if moment == "during":
-            assert note == (
-                f"`{bash(cmd)}` was interrupted; it may or may not have taken effect;"
-                " check before running it again"
-            )
-        else:
-            assert note == f"`{bash(cmd)}` ran, exit code 0"
+        assert note == expected_note(moment, cmd)
         assert "aborted" not in note and "failed" not in note
 
         fake.delay = None
@@ -1270,21 +1264,45 @@ async def test_sigkilled_turn_leaves_the_truth_about_its_call(
         )
         result = await asyncio.wait_for(CodexHarness().run_turn(turn), 60)
         assert result.status == "completed", result.error
-        told = fake.requests[before]  # what the model receives next
-        assert told.user_text.startswith("Your previous turn was cut off before it ended")
-        assert note in told.user_text
-        (output,) = told.outputs().values()
-        if moment == "during":
-            assert output == note + "."
-        else:
-            assert "Process exited with code 0" in output
-        assert_no_foreign_refusal(told)
+        check_told(fake.requests[before], note, moment)  # what the model receives next
         assert emitted == ["carrying on"]
         await asyncio.sleep(0.5)
         assert marker.read_text() == "RAN\n"  # ran once, never again
     finally:
         await delete_prefix(redis, prefix)
         await redis.aclose()
+
+
+async def _sigkill_replica(fleet: Fleet, name: str, pid: int) -> None:
+    """SIGKILL a replica process; nothing it started may be alive 1 s later."""
+    started = await asyncio.to_thread(_descendants, pid)
+    assert any(comm == "codex" for _, comm in started), started
+    fleet.kill(name)
+    await asyncio.sleep(1.0)
+    alive = [(child, comm) for child, comm in started if _alive(child)]
+    assert alive == [], f"still alive 1 s after the replica's SIGKILL: {alive}"
+
+
+def expected_note(moment: str, cmd: str) -> str:
+    """What is known of `cmd` after a crash `during` it or `after` it finished."""
+    if moment == "during":
+        return (
+            f"`{bash(cmd)}` was interrupted; it may or may not have taken effect;"
+            " check before running it again"
+        )
+    return f"`{bash(cmd)}` ran, exit code 0"
+
+
+def check_told(told: Any, note: str, moment: str) -> None:
+    """The first model request after a crash: told first, the call's truth as its output."""
+    assert told.user_text.startswith("Your previous turn was cut off before it ended")
+    assert note in told.user_text
+    (output,) = told.outputs().values()
+    if moment == "during":
+        assert output == note + "."
+    else:
+        assert "Process exited with code 0" in output
+    assert_no_foreign_refusal(told)
 
 
 async def _kill_mid_turn(
@@ -1325,6 +1343,78 @@ async def _kill_mid_turn(
         if child.returncode is None:
             child.kill()
             await child.wait()
+
+
+@pytest.mark.parametrize("moment", ["during", "after"])
+async def test_replica_sigkilled_during_an_approved_command(
+    moment: str,
+    redis_server_factory: Callable[..., RedisServer],
+    fake: FakeResponses,
+    tmp_path: Path,
+) -> None:
+    """End to end: two real replica processes, lease TTL 2 s, the real CLI. A person approves
+    `echo RAN >> marker; sleep 8`; the replica holding the thread is SIGKILLed while it runs
+    (`during`), or after it finished while the model's next reply is pending (`after`).
+
+    Nothing that replica started is alive 1 s later. The other replica adopts the thread and
+    posts one item saying what is known of the call; the person's next message starts a turn
+    whose first model request tells the same, with the call's real output (`after`) or our
+    words for it (`during`), never "aborted". The command ran once."""
+    server = redis_server_factory()
+    settings = Settings(redis_url=server.url, key_prefix="pk", **(FAST | {"lease_ttl": 2.0}))
+    logs = tmp_path / "logs"
+    fleet = Fleet(settings, workers=2, restart=False, log_dir=logs)
+    person = Broker(Redis.from_url(server.url, decode_responses=True), settings)
+    work = tmp_path / "t1"
+    work.mkdir()
+    marker = work / "marker"
+    cmd = f"echo RAN >> {marker}; sleep 8"
+    if moment == "after":  # the model's reply to the command's output is held back
+        fake.delay = lambda req: 30.0 if req.step == 1 and req.user_text.startswith("run!") else 0
+    try:
+        await fleet.start()
+        await fleet.ready()
+        await person.sessions.create(
+            "t1", "codex", "approval", codex_config(fake), work_folder=str(work)
+        )
+        await person.post_item("t1", text(f"run!: {cmd}"))
+        await active(person, "t1")
+        owner = (await session(person, "t1")).owner
+        replica_pid = fleet.replica(owner).proc.pid  # type: ignore[union-attr]
+        await person.post_item("t1", text("yes"))
+        if moment == "during":
+            await until(lambda: truthy(marker.exists()), "the approved command to start")
+        else:
+            await until(lambda: truthy(any(r.step == 1 for r in fake.requests)), "its output")
+        await _sigkill_replica(fleet, owner, replica_pid)
+
+        async def told_item() -> Item | None:
+            items = await person.items("t1")
+            return next((i for i in items if i.metadata.get("interrupted")), None)
+
+        item = await until(told_item, "the interruption item", within=20)
+        note = item.metadata["interrupted"]["note"]
+        assert note == expected_note(moment, cmd)
+        assert note in item.text and "aborted" not in item.text and "failed" not in item.text
+        s = await session(person, "t1")
+        assert s.owner not in ("", owner)
+
+        before = len(fake.requests)
+        await person.post_item("t1", text("say: carrying on"))
+        await turn_ends(person, "t1")
+        told = fake.requests[before]  # what the model receives next
+        check_told(told, note, moment)
+        assert "the person approved" in told.user_text  # the answer it had been handed
+        assert told.user_text.endswith("say: carrying on")
+        await asyncio.sleep(1.0 if moment == "after" else 8.0)  # a rerun would show by now
+        assert marker.read_text() == "RAN\n"
+    except BaseException:
+        for log in sorted(logs.glob("*.log")):
+            print(f"===== {log.name}\n{log.read_text(errors='replace')[-4000:]}")
+        raise
+    finally:
+        await fleet.stop()
+        await person.aclose()
 
 
 # -- small helpers --------------------------------------------------------------------------------

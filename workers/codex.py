@@ -104,7 +104,14 @@ from workers.codex_transcript import (
     output_line,
     rewrite_line,
 )
-from workers.harness import AgentStore, GateVerdict, PromptParked, Turn, TurnResult
+from workers.harness import (
+    AgentStore,
+    GateVerdict,
+    PromptParked,
+    Turn,
+    TurnResult,
+    describe_delivered,
+)
 
 logger = logging.getLogger("workers.codex")
 
@@ -722,14 +729,14 @@ class _Run:
         if cut is None:
             return []
         parts = ["Your previous turn was cut off before it ended: the replica running it stopped."]
+        if cut.delivered is not None:
+            parts.append(
+                f"Before that you had been handed {describe_delivered(cut.delivered)}; it is"
+                " not handed over again."
+            )
         if cut.note:
             parts.append(cut.note.rstrip(".") + ".")
-        if cut.delivered is not None:
-            subject = cut.delivered.subject or "your"
-            parts.append(
-                f"Before it stopped you had been given the person's answer to the {subject}"
-                " request; it is not given again."
-            )
+        parts.append("Nothing of that turn is repeated; a call you make again is asked again.")
         return [" ".join(parts)]
 
     def _old_notes(self, state: dict[str, Any]) -> list[str]:
