@@ -45,7 +45,7 @@ from broker.keys import ThreadKeys
 
 T = TypeVar("T")
 
-#: The typical prompt: a Claude Code approval, as the adapters build it (reference-behaviour 1.1).
+#: The typical prompt: a Claude Code approval, as the harnesses build it.
 QUESTION = Question.model_validate(
     {
         "question": "Allow Claude to use `Bash`?\n\n`rm -rf build`",
@@ -174,7 +174,7 @@ async def lifecycle(asker: Broker, thread: str, post: Post, settle: float) -> Li
 async def _timed_wait(asker: Broker, thread: str, prompt_id: str) -> float:
     await asker.wait(thread, prompt_id, timeout=STEP_TIMEOUT)
     returned = time.perf_counter()
-    # The delivery record follows the hand-over (DESIGN's order): its round trip is counted
+    # An unfenced wait records the delivery after the hand-over: its round trip is counted
     # with the wait step, not timed in the wake, and done before the next lifecycle starts.
     await asker.settle()
     return returned
