@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 #: What setuptools says when the project's own configuration is at fault (not pip's notes).
 SETUPTOOLS_WARNING = re.compile(
-    r"SetuptoolsDeprecationWarning|BuildBackendWarning(?!: Editable installation)|"
+    r"SetuptoolsDeprecationWarning|BuildBackendWarning|SetuptoolsWarning|"
     r"_Warning: Package|is absent from the `packages` configuration"
 )
 
