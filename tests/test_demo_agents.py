@@ -8,6 +8,7 @@ path (held, resumed after the kill, parked) the real runs reach only where the t
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -161,3 +162,26 @@ def test_claude_ask_script_repeats_the_answers_either_way(told: dict[str, Any]) 
     assert reply(script)["name"] == "AskUserQuestion"
     got = reply(script, CALL, told)
     assert got == {"type": "text", "text": "Deploying to staging with KPI cards, Chart."}
+
+
+# -- the demo's modules ------------------------------------------------------------------------
+
+
+def _imported(module: Path) -> set[str]:
+    """Every module `module` imports, at any depth of its code (function bodies included)."""
+    tree = ast.parse(module.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_demo_modules_import_one_way() -> None:
+    """`workers.demo` imports `workers.demo_agents`, never the other way round: no circle."""
+    workers = Path(__file__).resolve().parent.parent / "workers"
+    assert "workers.demo_agents" in _imported(workers / "demo.py")
+    assert not {"workers.demo", "workers"} & _imported(workers / "demo_agents.py")
