@@ -729,9 +729,13 @@ def _logging(verbosity: int) -> Iterator[None]:
 
 def _report(error: Exception, url: str | None, fleet: LocalFleet | None = None) -> int:
     """Print one line for an expected failure; return the exit status."""
-    unreachable = isinstance(error, redis_errors.ConnectionError | redis_errors.TimeoutError)
+    unreachable = isinstance(error, redis_errors.ConnectionError | redis_errors.TimeoutError) or (
+        isinstance(error, BrokerUnavailable) and not error.refused
+    )
     if unreachable:
         message = f"cannot reach Redis at {_safe_url(url)}: {error}"
+    elif isinstance(error, BrokerUnavailable):
+        message = f"Redis at {_safe_url(url)}: {error}"
     elif isinstance(error, redis_errors.RedisError):
         message = f"Redis at {_safe_url(url)} said: {error}"
     elif isinstance(error, ThreadNotFound):
@@ -741,9 +745,11 @@ def _report(error: Exception, url: str | None, fleet: LocalFleet | None = None) 
         )
     elif isinstance(error, ThreadClosed):
         message = f"THREAD: thread {error.thread_id} is closed: it takes no more items"
+    elif isinstance(error, BadItem):  # the library's field names, said as the flags that set them
+        message = str(BadItem(_flag_name(error.field), error.problem))
     else:
         message = str(error)
-    if fleet is not None and (unreachable or isinstance(error, BrokerUnavailable)):
+    if fleet is not None and unreachable:
         message += (
             f" (the local fleet recorded in {fleet.path} is not running: start it with "
             "`scripts/run` or `prompt-broker up`, or pass --redis-url)"

@@ -551,3 +551,21 @@ def wait_for(check: Callable[[], bool], what: str, within: float = 15) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+def test_data_home_follows_xdg_then_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The fleet's data folder: $XDG_DATA_HOME/prompt-broker, else ~/.local/share/prompt-broker."""
+    from broker.cli import data_home, fleet_record
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    assert data_home() == tmp_path / "xdg" / "prompt-broker"
+    monkeypatch.delenv("XDG_DATA_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert fleet_record() == tmp_path / "home" / ".local/share/prompt-broker/fleet.json"
+
+
+def test_library_field_names_are_the_flags(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    """A refusal from the library names the flag that set the field, not the API's name."""
+    env.run(lambda b: b.post_item(THREAD, text_item("hello")))
+    assert main(["answer", THREAD, "yes", "--author", "x" * 10_000]) == 2
+    assert one_error_line(capsys.readouterr().err).startswith("prompt-broker: error: --author")
