@@ -445,6 +445,7 @@ def _answer_item(args: argparse.Namespace) -> dict[str, Any]:
                 '{"question": ..., "answer": [...]} object per question, '
                 f"got {_json_kind(answers)}"
             )
+        _check_answers_shape(answers)
         metadata["answers"] = answers
     if args.prompt is not None:
         metadata["prompt_id"] = check_prompt_id(args.prompt, "--prompt")
@@ -452,6 +453,26 @@ def _answer_item(args: argparse.Namespace) -> dict[str, Any]:
     if args.author is not None:
         item["author"] = args.author
     return item
+
+
+def _check_answers_shape(answers: list[Any]) -> None:
+    """Each entry an object whose `answer` is a list of strings (`question`, if given, a string).
+
+    Whether the set fits the prompt (count, questions) is the broker's to judge when it routes
+    the item: it refuses a set that does not and maps the text. A set of the wrong shape is a
+    mistake in the command line, refused whether or not a prompt is active.
+    """
+    for i, entry in enumerate(answers):
+        where = f"--answers[{i}]"
+        if not isinstance(entry, dict):
+            raise CliError(
+                f'{where}: expected a {{"question", "answer"}} object, got {_json_kind(entry)}'
+            )
+        chosen = entry.get("answer")
+        if not isinstance(chosen, list) or not all(isinstance(a, str) for a in chosen):
+            raise CliError(f'{where}.answer: expected a list of strings, e.g. ["staging"]')
+        if "question" in entry and not isinstance(entry["question"], str):
+            raise CliError(f"{where}.question: expected a string")
 
 
 def _json_kind(value: object) -> str:

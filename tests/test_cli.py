@@ -569,3 +569,24 @@ def test_library_field_names_are_the_flags(env: Env, capsys: pytest.CaptureFixtu
     env.run(lambda b: b.post_item(THREAD, text_item("hello")))
     assert main(["answer", THREAD, "yes", "--author", "x" * 10_000]) == 2
     assert one_error_line(capsys.readouterr().err).startswith("prompt-broker: error: --author")
+
+
+def test_answers_shape_refusals_name_the_flag(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    """A list of the wrong things, with no prompt active, is refused naming --answers (never
+    TEXT) and nothing is queued; `[]` on an active prompt is reported refused, the text mapped."""
+    env.run(lambda b: b.post_item(THREAD, text_item("hello")))
+    env.run(lambda b: b.take_inbox(THREAD))
+    for answers, named in (
+        ("[1, 2]", "--answers[0]: expected"),
+        ('[{"answer": "staging"}]', "--answers[0].answer: expected a list of strings"),
+        ('[{"answer": ["a"]}, {"question": 3, "answer": []}]', "--answers[1].question"),
+    ):
+        assert main(["answer", THREAD, "yes", "--answers", answers]) == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert line.startswith(f"prompt-broker: error: {named}"), line
+    assert env.run(lambda b: b.take_inbox(THREAD)) == []
+    p = env.ask("approval", APPROVAL)
+    assert main(["answer", THREAD, "1", "--answers", "[]"]) == 0
+    out = capsys.readouterr().out
+    assert f"answered {p.prompt_id}" in out and "(source: text)" in out
+    assert "--answers refused, the text was mapped instead" in out
