@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from broker import Broker, Settings  # noqa: E402
 from workers.claude import ClaudeHarness  # noqa: E402
+from workers.claude_launch import descendants  # noqa: E402
 from workers.fakes.anthropic import FakeAnthropic, Script, text, tool_use  # noqa: E402
 from workers.replica import Replica  # noqa: E402
 
@@ -100,10 +101,20 @@ def children(pid: int) -> list[int]:
 
 
 def claude_processes() -> list[int]:
+    """The CLIs below this process (each under its supervisor, `workers.claude_launch`)."""
+    found = []
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/exe").resolve().name == "claude":
+                found.append(pid)
+    return found
+
+
+def supervisors() -> list[int]:
     found = []
     for pid in children(os.getpid()):
         with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/exe").resolve().name == "claude":
+            if b"claude_launch.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 found.append(pid)
     return found
 
@@ -328,6 +339,7 @@ async def memory(rig: Rig, waiting: int) -> None:
     await asyncio.sleep(1.0)
     procs = claude_processes()
     mems = [memory_kb(p) for p in procs]
+    sups = [memory_kb(p) for p in supervisors()]
     held_rss, _ = memory_kb(os.getpid())
     print(f"held:   {len(procs)} CLI processes waiting in the permission callback")
     for pid, (rss, pss) in zip(procs, mems, strict=True):
@@ -336,6 +348,11 @@ async def memory(rig: Rig, waiting: int) -> None:
     avg_pss = statistics.mean(m[1] for m in mems) / 1024
     print(f"        per waiting agent: RSS {avg_rss:.1f} MB, PSS {avg_pss:.1f} MB (CLI); "
           f"this process grew {(held_rss - base_rss) / 1024:.1f} MB for all {waiting}")  # fmt: skip
+    if sups:
+        sup_rss = statistics.mean(m[0] for m in sups) / 1024
+        sup_pss = statistics.mean(m[1] for m in sups) / 1024
+        print(f"        its supervisor (workers.claude_launch): RSS {sup_rss:.1f} MB, "
+              f"PSS {sup_pss:.1f} MB ({len(sups)} running)")  # fmt: skip
     for tid in tids:
         await rig.person.post_item(tid, {"content": [{"type": "text", "text": "yes"}]})
     for tid in tids:
