@@ -31,8 +31,9 @@ DOCS = ROOT / "docs"
 OPERATIONS = (DOCS / "operations.md").read_text()
 PROTOCOL = (DOCS / "protocol.md").read_text()
 ARCHITECTURE = (DOCS / "architecture.md").read_text()
-MARKDOWN = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+MARKDOWN = [*sorted(ROOT.glob("*.md")), *sorted(DOCS.rglob("*.md"))]
 CODE_DIRS = ("broker", "workers", "tests", "bench")
+BUILD_FILES = (".ci/run", "Dockerfile", "docker-compose.yml", "pyproject.toml")
 
 
 # -- the front door and the tables -----------------------------------------------------------
@@ -206,8 +207,19 @@ def _lua_texts(path: Path) -> Iterator[tuple[int, str]]:
             yield n, line[line.index("--") :]
 
 
+def _hash_comments(path: Path) -> Iterator[tuple[int, str]]:
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if "#" in line:
+            yield n, line[line.index("#") :]
+
+
 def _sources() -> Iterator[tuple[Path, int, str]]:
-    """Every comment and docstring in broker/, workers/, tests/ and bench/; every Markdown file."""
+    """Every comment and docstring in broker/, workers/, tests/ and bench/, the comments of the
+    scripts and the build files, and every Markdown file."""
+    for path in [*sorted((ROOT / "scripts").iterdir()), *(ROOT / f for f in BUILD_FILES)]:
+        if path.is_file():
+            for line, text in _hash_comments(path):
+                yield path, line, text
     for folder in CODE_DIRS:
         for path in sorted((ROOT / folder).rglob("*")):
             if path.suffix == ".py":
