@@ -122,6 +122,15 @@ def test_architecture_lists_every_record_field() -> None:
     assert not missing, f"not in docs/architecture.md: {missing}"
 
 
+def test_operations_names_only_tests_that_exist() -> None:
+    """Every test the crash-test matrix of docs/operations.md names is a test in tests/."""
+    named = re.findall(r"`(test_\w+\.py)::(test_\w+)`", OPERATIONS)
+    assert len(named) >= 10
+    for module, test in named:
+        source = (ROOT / "tests" / module).read_text()
+        assert re.search(rf"^(async )?def {test}\(", source, re.M), f"{module}::{test}"
+
+
 def test_readme_set_up_commands_exist() -> None:
     """The README's two set-up commands are executable scripts in the repo."""
     for script in ("scripts/run", "scripts/test"):
