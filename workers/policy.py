@@ -76,6 +76,7 @@ command's length; `Guard.decide_async` runs long commands in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import posixpath
 import re
@@ -284,11 +285,12 @@ _PLAIN_TOKENS = frozenset(
     {";", "&&", "||", "|", "|&", "&", '"', ">", ">>", "<", "&>", "&>>", ">&", "<&", ">|",
      ">&-", "<&-"}
 )  # fmt: skip
-#: Nodes that open a nested scope; `MAX_DEPTH` counts them (and nested scripts).
+#: Nodes that open a nested scope; `MAX_DEPTH` counts them (and nested scripts). A function
+#: counts once, by its body.
 _NESTING = frozenset(
     {
         "command_substitution", "process_substitution", "subshell", "compound_statement",
-        "function_definition", "if_statement", "while_statement", "for_statement",
+        "if_statement", "while_statement", "for_statement",
         "c_style_for_statement", "case_statement", "arithmetic_expansion", "expansion",
     }
 )  # fmt: skip
@@ -306,10 +308,17 @@ _WRAPPERS = frozenset(
         "sudo", "doas", "env", "exec", "command", "builtin", "nohup", "time", "nice", "ionice",
         "timeout", "stdbuf", "setsid", "xargs", "parallel", "chronic", "unbuffer", "taskset",
         "chroot", "flock", "coproc", "watch", "su", "ssh", "nsenter", "runuser", "strace",
-        "ltrace", "script", "then", "do",
+        "ltrace", "script",
     }
 )  # fmt: skip
 #: Commands no allow rule proves, whatever their words.
+#: Reserved words: met as a command name, the grammar has misread a compound command
+#: (tree-sitter-bash reads `! if a; then b; fi` as commands `if a`, `then b`, `fi`). The
+#: command after one is tried as a wrapper's is.
+_RESERVED = frozenset(
+    {"!", "{", "}", "if", "then", "else", "elif", "fi", "do", "done", "while", "until", "for",
+     "case", "esac", "in", "select", "function", "[[", "]]"}
+)  # fmt: skip
 _UNPLAIN = frozenset({"eval", "source", ".", "exec", "alias", "trap", "enable", "builtin"})
 _NETWORK = frozenset(
     {
@@ -333,9 +342,20 @@ _ANSI_CHARS = {
 }  # fmt: skip
 _UNQUOTED_ESCAPE = re.compile(r"\\(.)", re.S)
 _DQ_ESCAPE = re.compile(r'\\([$`"\\\n])')
+_ESCAPED_OR_BLANK = re.compile(r"\\.|[ \t\n]", re.S)
+_CUTS = re.compile(r"[\n;&|()`{}<>]|\$\(")
+_QUOTING = re.compile(r"\$(?=['\"])|['\"\\]")
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+_ONE_LINE = frozenset(
+    {"simple_expansion", "variable_name", "special_variable_name", "number", "file_descriptor"}
+)
+_ONE_COMMAND = frozenset({"command", "command_name", "concatenation", "file_redirect",
+                          "redirected_statement", "variable_assignment"})  # fmt: skip
+_REDIRECTS = frozenset({"file_redirect", "herestring_redirect"})
 _NOT_WORDS = frozenset({"variable_assignment", "file_redirect", "herestring_redirect"})
 
 Word = tuple[str, bool]  # a word's value (as written when not literal), and whether it is literal
+Site = tuple["Node", "Node | None"]  # a command node and its parent
 
 
 @dataclass
@@ -431,16 +451,16 @@ def _word(node: Node) -> Word:
     return (value, True) if value is not None else (_text(node), False)
 
 
-def _words(node: Node) -> list[Word]:
+def _words(node: Node, parent: Node | None) -> list[Word]:
     """A command's words: its name and arguments, and the words bash reads as arguments that
-    the grammar hangs on a redirection after the command (`echo > f hi`)."""
+    the grammar hangs on a redirection after the command (`echo > f hi`). The parent comes from
+    the walk: `Node.parent` searches down from the root, slow in a deep tree."""
     words: list[Word] = []
     for child in node.children:  # an unnamed `$` before a string makes it `$"..."`: the same
         if not child.is_named or child.type in _NOT_WORDS:
             continue
         target = child.children[0] if child.type == "command_name" and child.children else child
         words.append(_word(target))
-    parent = node.parent
     if parent is not None and parent.type == "redirected_statement":
         for redirect in parent.children:
             if redirect.type == "file_redirect":
@@ -449,11 +469,12 @@ def _words(node: Node) -> list[Word]:
     return words
 
 
-def _stdin(node: Node) -> Word | None:
+def _stdin(site: Site) -> Word | None:
     """The literal text a here-document or here-string feeds a command, if any."""
+    node, parent = site
     places = list(node.children)
-    if node.parent is not None and node.parent.type == "redirected_statement":
-        places += node.parent.children
+    if parent is not None and parent.type == "redirected_statement":
+        places += parent.children
     for place in places:
         if place.type == "herestring_redirect":
             named = [c for c in place.children if c.is_named]
@@ -558,7 +579,7 @@ def _nested(script: Word, nest: int, s: Script, pending: list[tuple[str, int]]) 
 
 
 def _shell(
-    argv: list[Word], node: Node, nest: int, s: Script, pending: list[tuple[str, int]]
+    argv: list[Word], site: Site | None, nest: int, s: Script, pending: list[tuple[str, int]]
 ) -> None:
     """A shell's script (`bash -c`, a here-document fed to `sh`) is analysed as a command."""
     how, scripts = _scripts(argv)
@@ -566,7 +587,7 @@ def _shell(
         for script in scripts:
             _nested(script, nest, s, pending)
     elif how == "stdin":
-        stdin = _stdin(node)
+        stdin = _stdin(site) if site is not None else None
         if stdin is None:
             s.hide("a shell reading its script from standard input")
         else:
@@ -576,7 +597,8 @@ def _shell(
 def _successors(argv: list[Word], s: Script) -> list[list[Word]]:
     """The commands a command runs with its own words: behind a wrapper, git's, find's."""
     head = posixpath.basename(argv[0][0]) if argv[0][1] else ""
-    if head in _WRAPPERS and not (head == "command" and any(w in ("-v", "-V") for w, _ in argv)):
+    wraps = head in _WRAPPERS or argv[0][0] in _RESERVED
+    if wraps and not (head == "command" and any(w in ("-v", "-V") for w, _ in argv)):
         return [argv[i:] for i in range(1, min(len(argv), MAX_WRAPPED + 1))]
     if head == "git":
         found = _git(argv, s)
@@ -590,11 +612,13 @@ def _successors(argv: list[Word], s: Script) -> list[list[Word]]:
 
 
 def _variant(
-    argv: list[Word], node: Node, nest: int, s: Script, pending: list[tuple[str, int]]
+    argv: list[Word], site: Site | None, nest: int, s: Script, pending: list[tuple[str, int]]
 ) -> None:
     """One form of a simple command: matched by deny rules, and looked into."""
     name, literal = argv[0]
-    if not literal or _GLOBBY.search(name):
+    if name in _RESERVED:
+        s.hide("a reserved word read as a command name")
+    elif not literal or _GLOBBY.search(name):
         s.hide("a command name that is not literal")
         return
     words = [w for w, _ in argv]
@@ -605,7 +629,7 @@ def _variant(
         bare = " ".join([head, *words[1:]])
         s.forms.update((bare, bare + " "))
     if head in _SHELLS:
-        _shell(argv, node, nest, s, pending)
+        _shell(argv, site, nest, s, pending)
     elif head == "su":  # `su [-] [user] -c script`, the script anywhere after the options
         scripts = [argv[i + 1] for i, (w, _) in enumerate(argv[:-1]) if w in ("-c", "--command")]
         for script in scripts:
@@ -619,39 +643,93 @@ def _variant(
         s.network.append(joined)
 
 
-def _command(node: Node, nest: int, s: Script, pending: list[tuple[str, int]]) -> None:
-    """A simple command: its forms for deny rules, and whether an allow rule can prove it."""
-    text = _text(node)
-    s.commands.append(text)
-    s.forms.update((text, text + " "))
-    argv = _words(node)
-    if not argv:
-        return
-    if not _SAFE.fullmatch(text) or argv[0][0] in _UNPLAIN:
-        s.plain = False
+def _expand(
+    argv: list[Word], site: Site | None, nest: int, s: Script, pending: list[tuple[str, int]]
+) -> None:
+    """Every form of one simple command (behind its wrappers, git's options, ...), breadth
+    first, at most `_MAX_FORMS` of them."""
     todo, seen = [argv], 0
     while todo:
         current = todo.pop(0)
-        if seen >= _MAX_FORMS:
-            s.hide("more forms than can be tried")
-            return
         seen += 1
-        _variant(current, node, nest, s, pending)
+        _variant(current, site, nest, s, pending)
         if seen + len(todo) < _MAX_FORMS:  # past it the next pass hides: no need to build more
             todo += [found for found in _successors(current, s) if found]
         else:
             s.hide("more forms than can be tried")
 
 
+def _command(site: Site, nest: int, s: Script, pending: list[tuple[str, int]]) -> None:
+    """A simple command: its forms for deny rules, and whether an allow rule can prove it."""
+    text = _text(site[0])
+    s.commands.append(text)
+    s.forms.update((text, text + " "))
+    argv = _words(*site)
+    if not argv:
+        return
+    if not _SAFE.fullmatch(text) or argv[0][0] in _UNPLAIN:
+        s.plain = False
+    _expand(argv, site, nest, s, pending)
+
+
+def _bare_blank(text: str) -> bool:
+    """Does unquoted text hold a blank or newline that is not escaped (bash splits words, and
+    ends commands, there)?"""
+    if " " not in text and "\t" not in text and "\n" not in text:
+        return False
+    return any(m[0] in " \t\n" for m in _ESCAPED_OR_BLANK.finditer(text))
+
+
+def _misread(node: Node, data: bytes) -> bool:
+    """Has the grammar read a blank or a newline, which split words and end commands in bash,
+    as part of a word, or a newline inside a command (between its words, a redirection and its
+    target)? tree-sitter-bash reads `a` newline `\\rm` as one command, `! { { rm; }; }` as one
+    named `{ {`, `$` newline `rm` as `$rm`, and `a | b` newline `rm 2>x` as `b rm 2>x`."""
+    kind = node.type
+    if kind == "word":
+        return _bare_blank(_text(node))
+    if kind in _ONE_LINE:
+        return b"\n" in data[node.start_byte : node.end_byte]
+    if kind not in _ONE_COMMAND:
+        return False
+    children = node.children
+    for before, after in itertools.pairwise(children):
+        if kind == "redirected_statement" and after.type not in _REDIRECTS:
+            continue  # a here-document's body follows on the next lines
+        gap = data[before.end_byte : after.start_byte]
+        if b"\n" in gap.replace(b"\\\n", b""):  # a line continuation is no new line
+            return True
+    return False
+
+
+def _rough(text: str, nest: int, s: Script, pending: list[tuple[str, int]]) -> None:
+    """Where the grammar may have misread a script, deny rules also see it cut at every
+    character that can end a command, quoted or not, with its quotes dropped: more forms than
+    bash would run, never fewer."""
+    for segment in _CUTS.split(text):
+        words = [_QUOTING.sub("", w) for w in segment.split()]
+        while words and _ASSIGNMENT.match(words[0]):
+            words.pop(0)
+        if words:
+            _expand([(w, True) for w in words], None, nest, s, pending)
+
+
 def _scan(text: str, depth: int, s: Script, pending: list[tuple[str, int]]) -> None:
     """One script's parse tree, walked without recursion (a tree may be 60,000 deep)."""
-    tree = _parser().parse(text.encode("utf-8", "surrogatepass"))
-    if tree.root_node.has_error:  # the walk goes on: deny rules still see what parsed
+    data = text.encode("utf-8", "surrogatepass")
+    tree = _parser().parse(data)
+    misread = tree.root_node.has_error
+    if misread:  # the walk goes on: deny rules still see what parsed, and the rough cuts
         s.hide("a parse error")
-    stack: list[tuple[Node, int]] = [(tree.root_node, depth)]
+        _rough(text, depth, s, pending)
+    stack: list[tuple[Node, int, Node | None]] = [(tree.root_node, depth, None)]
     while stack:
-        node, nest = stack.pop()
+        node, nest, parent = stack.pop()
         kind = node.type
+        if not misread and _misread(node, data):
+            misread = True
+            s.hide("a script the grammar may read otherwise than bash")
+            _rough(text, depth, s, pending)
         if kind not in (_PLAIN_NODES if node.is_named else _PLAIN_TOKENS):
             s.plain = False
         if kind in _NESTING:
@@ -660,10 +738,10 @@ def _scan(text: str, depth: int, s: Script, pending: list[tuple[str, int]]) -> N
                 s.hide("nested deeper than MAX_DEPTH")
                 continue
         if kind == "command":
-            _command(node, nest, s, pending)
+            _command((node, parent), nest, s, pending)
         elif kind == "file_redirect":
             _redirect(node, s)
-        stack.extend((child, nest) for child in reversed(node.children))
+        stack.extend((child, nest, node) for child in reversed(node.children))
 
 
 def _parser() -> Parser:
@@ -714,7 +792,7 @@ def _plain_argv(command: str) -> list[str] | None:
         for c in node.children
     ):
         return None
-    words = _words(node)
+    words = _words(node, root)
     return [w for w, _ in words] if all(lit for _, lit in words) else None
 
 
@@ -870,7 +948,9 @@ def _exec_match(rule: Rule, ctx: _Context) -> Match:
     if command is None or script is None:
         return "no"
     if rule.action == "allow":
-        whole = _globs_hit(rule.command, command, one_line=True)
+        whole = _globs_hit(
+            rule.command, command.strip(), one_line=True
+        )  # a last newline is no line
         if not (whole and all(_globs_hit(rule.command, c, one_line=True) for c in script.commands)):
             return "no"
         return "yes" if script.plain and not script.unseen else "unproven"
