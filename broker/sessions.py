@@ -209,20 +209,22 @@ class Sessions:
         if config is not None and not isinstance(config, Mapping):
             raise BadItem("config", f"expected an object, got {type(config).__name__}")
         tk = self._b.thread(thread_id)
-        pipe = self._b.redis.pipeline(transaction=False)
-        self._b._scripts.queue(
-            pipe,
+        reply = await self._call(
             "create",
             [tk.session],
             [harness, permissions, orjson.dumps(dict(config or {})), work_folder, stored_policy],
         )
-        pipe.zadd(self._b.keys.leases, {thread_id: ULID().milliseconds}, nx=True)
-        (reply, _) = await self._b._scripts.run_pipeline(self._b.redis, pipe)
         if reply[0] == "exists":
             raise BadItem("thread_id", f"thread {thread_id} already exists")
-        session = await self.get(thread_id)
-        assert session is not None
-        return session
+        # Indexed only once the record exists: a replica that claims from the index before the
+        # record is there drops the entry ('missing'), and the thread would never be adopted.
+        # (In one pipeline with the script, a server that had to load the script first would
+        # run the script after the index write.)
+        pipe = self._b.redis.pipeline(transaction=False)
+        pipe.zadd(self._b.keys.leases, {thread_id: ULID().milliseconds}, nx=True)
+        pipe.hgetall(tk.session)
+        _, h = await pipe.execute()
+        return _session(thread_id, h)
 
     async def get(self, thread_id: str) -> Session | None:
         h: dict[str, str] = await self._b.redis.hgetall(self._b.thread(thread_id).session)  # type: ignore[misc]

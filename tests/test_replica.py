@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import fakeredis
 import pytest
 
 from broker import (
@@ -26,6 +27,7 @@ from broker import (
     PromptCancelled,
     Question,
     Session,
+    Settings,
     ThreadNotFound,
     verdict,
 )
@@ -860,3 +862,25 @@ async def test_close_fences_the_holder_and_cancels_the_open_prompt(
     assert prompt.state == "cancelled" and prompt.reason == "done here"
     await person.sessions.close("c1")
     assert (await session(person, "c1")).epoch == after.epoch
+
+
+async def test_a_new_thread_is_indexed_only_once_its_record_exists(settings: Settings) -> None:
+    """On a server that has not loaded the scripts yet, a replica claiming from the lease index
+    while `create` loads its script must not drop the new thread from the index for good."""
+    server = fakeredis.FakeServer()  # fresh: no script loaded
+    person = Broker(fakeredis.FakeAsyncRedis(server=server, decode_responses=True), settings)
+    rival = Broker(fakeredis.FakeAsyncRedis(server=server, decode_responses=True), settings)
+    load = person.redis.script_load
+
+    async def load_while_a_replica_claims(source: str) -> Any:
+        await rival.sessions.claim_many(["n1"], "r9", 1000)
+        return await load(source)
+
+    person.redis.script_load = load_while_a_replica_claims  # type: ignore[method-assign]
+    try:
+        await person.sessions.create("n1", "scripted", "approval", ASK)
+        assert await person.redis.zscore(person.keys.leases, "n1") is not None
+        assert await rival.sessions.claim_many(["n1"], "r9", 1000) == {"n1": 1}
+    finally:
+        await person.aclose()
+        await rival.aclose()
