@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,7 +282,7 @@ async def test_a_wait_on_a_delivered_answer_is_an_interruption(th: Thread) -> No
 WORK = 3.0
 
 
-def marker_script(thread: str, marker: Path) -> dict[str, Any]:
+def marker_script(thread: str, marker: Path, work: float = WORK) -> dict[str, Any]:
     """An approval for a command that really runs (it appends a line to `marker`), then work,
     then a last line. A later message `again` makes the agent try the same command again."""
     call = {"tool": "Bash", "input": {"command": f"echo RAN >> {marker}"}, "shell": True}
@@ -289,7 +290,7 @@ def marker_script(thread: str, marker: Path) -> dict[str, Any]:
         "script": {
             "turns": [
                 {"match": "again", "steps": [call]},
-                {"steps": [call, {"sleep": WORK}, {"say": f"{thread}: wrapped up."}]},
+                {"steps": [call, {"sleep": work}, {"say": f"{thread}: wrapped up."}]},
             ]
         }
     }
@@ -309,11 +310,11 @@ class Cut:
     holder: str
 
 
-async def ran_once_then(rig: Rig, thread: str, marker: Path) -> Cut:
+async def ran_once_then(rig: Rig, thread: str, marker: Path, work: float = WORK) -> Cut:
     """Start the thread, let its approval park, approve it, and return once the resume turn
     spent its grant and ran the command (while it works on, before its end)."""
     b = rig.b
-    await b.sessions.create(thread, "scripted", "approval", marker_script(thread, marker))
+    await b.sessions.create(thread, "scripted", "approval", marker_script(thread, marker, work))
     await b.post_item(thread, text("Please go ahead."))
 
     async def parked() -> Prompt | None:
@@ -322,7 +323,10 @@ async def ran_once_then(rig: Rig, thread: str, marker: Path) -> Cut:
             return None
         return await b.active_prompt(thread)
 
-    prompt = await crash_until(parked, 20, "the approval to park")
+    try:
+        prompt = await crash_until(parked, 20, "the approval to park")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {thread} is {await b.sessions.get(thread)}") from None
     assert (await b.post_item(thread, text("yes"))).outcome == "answered"
 
     async def ran() -> str | None:
@@ -517,3 +521,29 @@ async def test_held_answer_then_cut_off_is_told_not_redelivered(
 
 async def _has(b: Broker, thread: str, line: str) -> bool:
     return line in outputs(await b.items(thread))
+
+
+@pytest.mark.real_redis
+async def test_sigkill_with_many_threads_cut_at_once(server: RedisServer, tmp_path: Path) -> None:
+    """Six resume turns on three replicas, each past its command: SIGKILL of the replica running
+    the most. Its threads are each reported once and never replayed; the others finish."""
+    async with running_fleet(server, tmp_path, workers=3, **PARKED) as rig:
+        threads = [f"m{i}" for i in range(6)]
+        cuts = await asyncio.gather(
+            *(ran_once_then(rig, t, tmp_path / f"{t}.marker", work=8.0) for t in threads)
+        )
+        victim = Counter(c.holder for c in cuts).most_common(1)[0][0]
+        proc = rig.fleet.replica(victim).proc
+        assert proc is not None
+        rig.fleet.kill(victim, signal.SIGKILL)
+        await asyncio.to_thread(proc.wait, 5)
+        doomed = [c for c in cuts if c.holder == victim]
+        await asyncio.gather(*(told_once(rig, c) for c in doomed))
+        for c in cuts:
+            if c in doomed:
+                continue
+            done = await crash_until(
+                lambda c=c: _has(rig.b, c.thread, f"{c.thread}: wrapped up."), 20, "the rest"
+            )
+            assert done and marks(c.marker) == 1
+            assert not [i for i in await rig.b.items(c.thread) if i.metadata.get("interrupted")]
