@@ -865,10 +865,16 @@ class Checker:
     - exactly one `pending_prompt_resolved` per resolved prompt, naming its kind and state with
       its answers or reason, and it is the item the record points at; none for an undelivered one;
     - at most one `approval_granted` per prompt, and only for a prompt whose answer approved;
+    - each approved command ran at most once (its marker in the file it appends to), and only
+      after an answer approving it was delivered;
     - no marker, question answer or END line said twice; what the agent says of an answer is
-      what some delivered answer to that step says;
+      what some delivered answer to that step says; no interruption told more often than turns
+      were cut off;
     - no answer handed over twice by the logs (a held delivery or a resume turn);
     - no log line of `BAD_LOG_LINES` in any process's log.
+
+    The sampler's checks (one pending prompt per thread, the lock naming it, a live lease holding
+    every open prompt) run during the soak, in `Soak.judge` and `Soak.check_open_prompts_held`.
     """
 
     def __init__(self, soak: Soak) -> None:
@@ -985,6 +991,11 @@ class Checker:
             for what, n in said.items():
                 if n > 1:
                     self.bad("said_twice", t, None, f"{what} said {n} times")
+            # A cut-off turn is reported once and its next turn tells the agent once.
+            cut = sum(1 for x in lines if x.startswith("(the turn was interrupted"))
+            told = sum(1 for x in lines if x.startswith("My previous turn was interrupted"))
+            if told > cut:
+                self.bad("told_twice", t, None, f"{told} tells of {cut} interrupted turns")
 
     @staticmethod
     def true_to(line: str, delivered: list[Prompt]) -> bool:

@@ -109,6 +109,7 @@ def records(folder: Path, *, planted: bool) -> soak.Checker:
         )  # answered, never delivered
         logs += ['{"event": "prompt.delivered", "first": true, "prompt_id": "prm_1"}']
         logs += ["Task exception was never retrieved"]
+        lines.append("My previous turn was interrupted before it ended. I will not repeat it.")
     items = [item("agent_output", line) for line in lines] + grants
     items += [resolved(p) for p in prompts if p.delivered_at]
     if planted:
@@ -161,6 +162,7 @@ def test_checker_names_every_planted_fault(tmp_path: Path) -> None:
             "ran_unapproved",  # MARK-1 was denied, yet ran
             "handed_twice",  # a resume and a held delivery of prm_1
             "log",  # a task exception nobody retrieved
+            "told_twice",  # an interruption told that never happened
         ]
     )
 
