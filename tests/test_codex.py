@@ -58,12 +58,22 @@ from workers.codex import (
     SESSION_LABEL,
     USER_INPUT,
     CodexHarness,
+    _holds,
     answers_payload,
     approval_payload,
     approval_question,
     find_codex,
     other_reply,
     parse_config,
+)
+from workers.codex_transcript import (
+    Call,
+    calls_of,
+    dangling_calls,
+    describe,
+    interrupted_writer,
+    output_line,
+    rewrite_line,
 )
 from workers.fakes.responses import FakeResponses
 from workers.fleet import Fleet
@@ -674,6 +684,83 @@ def test_config_is_checked() -> None:
         with pytest.raises(BadItem) as e:
             parse_config(bad)
         assert e.value.field == where
+
+
+def test_the_ledger_tells_what_is_known_of_a_call() -> None:
+    """`describe` never says "aborted" or "failed" for a call that may have run; the cut-off
+    turn is the one a mid-turn state names, else the latest that started from the state."""
+    c = "/bin/bash -lc 'make x'"
+    said = {
+        "ran": describe(
+            Call("1", c, "command", asked=True, reply="accept", status="completed", exit=0)
+        ),
+        "ran, failing": describe(Call("1", c, "command", reply="accept", status="failed", exit=2)),
+        "approved, no result": describe(Call("1", c, "command", asked=True, reply="accept")),
+        "started unasked": describe(Call("1", c, "command")),
+        "no exit code": describe(Call("1", c, "command", reply="accept", status="failed")),
+        "waiting": describe(Call("1", c, "command", asked=True)),
+        "refused": describe(
+            Call("1", c, "command", asked=True, reply="decline", status="declined")
+        ),
+    }
+    assert said["ran"] == f"`{c}` ran, exit code 0"
+    assert said["ran, failing"] == f"`{c}` ran, exit code 2"
+    unsure = (
+        f"`{c}` was interrupted; it may or may not have taken effect; check before running it again"
+    )
+    assert said["approved, no result"] == said["started unasked"] == said["no exit code"] == unsure
+    assert said["waiting"].endswith(
+        "did not run: it was still waiting for approval when the turn stopped"
+    )
+    assert said["refused"] == f"`{c}` did not run: it was refused"
+    for words in said.values():
+        assert "aborted" not in words and "failed" not in words
+
+    ledger = [
+        {"w": "A", "ev": "turn", "from": None},
+        {"w": "A", "ev": "call", "id": "c1", "what": c, "kind": "command", "asked": True},
+        {"w": "A", "ev": "reply", "id": "c1", "decision": "accept"},
+        {"w": "A", "ev": "result", "id": "c1", "status": "completed", "exit": 0},
+        {"w": "B", "ev": "turn", "from": "A"},
+        {"w": "B", "ev": "call", "id": "c2", "what": "b", "kind": "command", "asked": True},
+        "junk",
+        {"w": "B", "ev": "reply", "id": "nosuch", "decision": "accept"},
+    ]
+    assert interrupted_writer(ledger, {"writer": "A", "open": True}) == "A"
+    assert interrupted_writer(ledger, {"writer": "A"}) == "B"  # A ended; B started from it
+    assert interrupted_writer(ledger, None) == "A"
+    assert interrupted_writer(ledger, {"writer": "B"}) is None
+    assert [x.id for x in calls_of(ledger, "B").values()] == ["c2"]
+    assert calls_of(ledger)["c1"].exit == 0
+
+    call = {"type": "response_item", "payload": {"type": "function_call", "call_id": "c9"}}
+    out = {
+        "type": "response_item",
+        "payload": {"type": "function_call_output", "call_id": "c9", "output": "aborted by user"},
+    }
+    abort = {
+        "type": "response_item",
+        "payload": {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "<turn_aborted>\nThe user interrupted"}],
+        },
+    }
+    lines = [json.dumps(call)]
+    assert dangling_calls(lines) == [("c9", "function_call")]
+    added = json.loads(output_line(lines, "c9", "function_call", "ours"))
+    assert added["payload"] == {"type": "function_call_output", "call_id": "c9", "output": "ours"}
+    assert dangling_calls([*lines, json.dumps(added)]) == []
+    assert (
+        json.loads(rewrite_line(json.dumps(out), {"c9": "ours"}, None))["payload"]["output"]
+        == "ours"
+    )
+    assert rewrite_line(json.dumps(out), {}, None) == json.dumps(out)
+    said_abort = json.loads(rewrite_line(json.dumps(abort), {}, "ended by us"))
+    assert said_abort["payload"]["content"] == [{"type": "input_text", "text": "ended by us"}]
+    # the harness waits for a call to be written before it asks; an empty id waits for nothing
+    assert _holds("call_2")(b'{"call_id":"call_2"}') and not _holds("call_2")(b"{}")
+    assert _holds("")(b"")
 
 
 # -- the harness alone, real CLI ------------------------------------------------------------------

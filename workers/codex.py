@@ -1049,7 +1049,7 @@ class _Run:
         async with self.lock:
             if self.parked is not None:
                 return _NotAnswered("parked")
-            await self._sync_now(wait_for=item_id.encode().__contains__)
+            await self._sync_now(wait_for=_holds(item_id))
             try:
                 return await self.turn.handle.ask(kind, questions, state=self._state(open=True))
             except PromptParked as e:
@@ -1293,6 +1293,16 @@ def _extend(segments: list[Any], writer: str, entries: Sequence[Any]) -> list[An
     return [*out, [writer, count]]
 
 
+def _holds(call_id: str) -> Callable[[bytes], bool]:
+    """Does the rollout name `call_id` yet (its call has been written)?"""
+    needle = call_id.encode()
+
+    def check(data: bytes) -> bool:
+        return not needle or needle in data
+
+    return check
+
+
 def _output_of(call_id: str) -> Callable[[bytes], bool]:
     """Does the rollout hold the output of `call_id` yet?"""
     needle = f'"call_id":"{call_id}"'.encode()
@@ -1500,7 +1510,11 @@ class CodexHarness:
             # reply cannot carry): tell the agent now, in a turn of its own, rather than when
             # the person next writes. Once: a second such stop waits for the next turn.
             again = replace(turn, prompt="", state=result.state, resume=None, interrupted=None)
-            result, _ = await self._run_once(binary, again, cfg)
+            told, _ = await self._run_once(binary, again, cfg)
+            if told.status == "failed":  # the notes stay in the state: the next turn tells them
+                logger.warning("codex.follow_up_failed", extra={"error": told.error})
+                return result
+            return told
         return result
 
     async def _run_once(self, binary: str, turn: Turn, cfg: CodexConfig) -> tuple[TurnResult, bool]:
