@@ -135,3 +135,15 @@ async def test_rebuild_restores_lost_indexes(broker: Broker, run_worker: RunWork
     await audit.reconcile({"broker": broker, "runs": 1})
     await run_worker(broker)
     assert len(resolutions(await broker.items("b"), gone.prompt_id)) == 1
+
+
+async def test_rebuild_drops_index_entries_with_no_record(broker: Broker) -> None:
+    """Members of `open` and `audit` whose prompt record is gone are dropped; the rest stay."""
+    kept = await broker.ask("a", "approval", [APPROVAL])
+    ghost = "a/prm_01M8RJEMZ5NYSK2HZD2KRBPC1M"
+    await broker.redis.zadd(broker.keys.open, {ghost: 1})
+    await broker.redis.zadd(broker.keys.audit, {ghost: 1, "z/prm_01M8RJEV25K476KJ4FB2CMSEME": 2})
+    counts = await audit.rebuild_indexes(broker)
+    assert counts["orphans"] == 3
+    assert await broker.redis.zrange(broker.keys.open, 0, -1) == [f"a/{kept.prompt_id}"]
+    assert await broker.redis.zrange(broker.keys.audit, 0, -1) == []

@@ -127,7 +127,42 @@ async def rebuild_indexes(broker: Broker) -> dict[str, int]:
     if fix.audit_rem:
         pipe.zrem(broker.keys.audit, *fix.audit_rem)
     await pipe.execute()
-    return {"scanned": scanned, "open": len(fix.open_add), "unaudited": len(fix.audit_add)}
+    orphans = 0
+    for index in (broker.keys.open, broker.keys.audit):
+        orphans += await _drop_orphans(broker, index)
+    return {
+        "scanned": scanned,
+        "open": len(fix.open_add),
+        "unaudited": len(fix.audit_add),
+        "orphans": orphans,
+    }
+
+
+async def _drop_orphans(broker: Broker, index: str) -> int:
+    """Drop the members of an index whose prompt record does not exist (expired, or an ask cut
+    off between its index write and its record). A record that lands later is indexed again by
+    the next sweep, so a member dropped too early is never lost for good."""
+    dropped = 0
+    members: list[str] = []
+    async for member, _ in broker.redis.zscan_iter(index, count=1000):
+        members.append(member)
+        if len(members) >= 500:
+            dropped += await _drop_unrecorded(broker, index, members)
+            members = []
+    if members:
+        dropped += await _drop_unrecorded(broker, index, members)
+    return dropped
+
+
+async def _drop_unrecorded(broker: Broker, index: str, members: list[str]) -> int:
+    pipe = broker.redis.pipeline(transaction=False)
+    for member in members:
+        thread_id, prompt_id = broker.keys.split_member(member)
+        pipe.exists(broker.thread(thread_id).prompt(prompt_id))
+    gone = [m for m, found in zip(members, await pipe.execute(), strict=True) if not found]
+    if gone:
+        await broker.redis.zrem(index, *gone)
+    return len(gone)
 
 
 def _classify(member: str, row: list[str | None], fix: _Fix) -> None:
