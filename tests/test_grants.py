@@ -248,7 +248,7 @@ def test_resume_deny_bare_negative_has_no_quote(words: str) -> None:
 
 
 def test_bare_negatives_are_the_spec_set() -> None:
-    """The bare negatives are exactly the spec's list (1.16)."""
+    """The bare negatives are exactly the protocol's list (docs/protocol.md)."""
     assert {"deny", "denied", "no", "n", "nope", "reject", "rejected", "0"} == NEGATIVE
 
 
@@ -320,7 +320,8 @@ def test_resume_text_prompt_gives_the_typed_answer() -> None:
 
 
 def test_session_wide_approval_counts_as_approval() -> None:
-    """A structured `Approve for this session` approves a parked approval (the reference's E22)."""
+    """A structured `Approve for this session` approves a parked approval (the original worker
+    counted it a denial)."""
     from workers.grants import approves
 
     assert approves([Answer(question="q", answer=["Approve for this session"])])

@@ -16,7 +16,7 @@ __all__ = ["approves", "covers", "resume_text"]
 
 #: Labels that approve beyond `broker.answers.AFFIRMATIVE`: the Codex harness's session-wide
 #: option (`workers.codex.SESSION_LABEL`), which only a structured answer can pick. The
-#: reference scored it as a denial on the parked path (E22); we count it as the approval it is.
+#: original worker scored it as a denial on the parked path; we count it as the approval it is.
 SESSION_APPROVALS = frozenset({"approve for this session"})
 
 

@@ -209,7 +209,8 @@ def _detail(tool_input: dict[str, Any]) -> str:
 
 
 def approval_question(tool: str, tool_input: dict[str, Any], agent: str = "the agent") -> Question:
-    """The approval question for one tool call, shaped as the reference's Claude adapter does.
+    """The approval question for one tool call, shaped as the original worker's Claude adapter
+    shapes it.
 
     `subject` is the tool's name and `grant_key` `<tool>:<detail>` (detail: the first non-empty of
     the input's `command`, `file_path`, `path`), so a grant covers exactly this call.

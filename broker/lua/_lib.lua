@@ -1,4 +1,4 @@
--- Shared helpers, prepended to every script by broker/scripts.py (Redis has no `require`).
+-- Shared helpers, prepended to every script by broker/_scripts.py (Redis has no `require`).
 
 -- The server's clock in ms: every timestamp the broker stores comes from here.
 local function now_ms()
