@@ -32,9 +32,12 @@ Permissions
   answer carried any beyond a bare "no" (a parked answer's typed text, or extra strings in a
   structured answer). A prompt that was not delivered, was cancelled or was parked refuses it
   with `Approval unavailable: ...`, saying that nobody refused it.
-- `guarded`: the same, but the policy gate (`Turn.gate`) is consulted first: `allow` allows,
-  `deny` refuses with `Denied by policy rule '<id>'`, `ask` raises the approval prompt. A gate
-  that raises denies (`policy_evaluation_error`). Questions are never gated.
+- `guarded`: every tool call reaches the permission callback, read-only ones included: a
+  `PreToolUse` command hook in the CLI's flag settings (`ASK_EVERY_CALL`) answers "ask" for
+  every call, so Claude Code's own engine allows nothing silently, and a worker's deny rules bind
+  every call. The callback consults the policy gate (`Turn.gate`) first: `allow` allows, `deny`
+  refuses with `Denied by policy rule '<id>'`, `ask` raises the approval prompt. A gate that
+  raises denies (`policy_evaluation_error`). Questions are never gated.
 - `autonomous`: `bypassPermissions` (with `IS_SANDBOX=1` when running as root, which Claude Code
   otherwise refuses): no approval prompts; `AskUserQuestion` still asks a person.
 
@@ -87,6 +90,25 @@ the session resumes on any replica. The answer starts a resume turn there:
 
 A run that keeps going after it parked is stopped after `PARK_SETTLE` seconds. A run that is
 cancelled (a lost lease) kills its CLI at once, so nothing more is written to the transcript.
+
+The CLI's life
+--------------
+On Linux the CLI runs under a small supervisor (`workers.claude_launch`, the SDK's `cli_path`
+points at a wrapper script that starts it): a child subreaper with a parent-death signal, so
+the CLI and every command it started (Claude Code starts each Bash command in a session of its
+own) die with the replica however it dies, SIGKILL included. The harness's own kill goes
+through it too (`claude_launch.KILL_TREE`), so a killed CLI leaves no command running.
+
+A turn cut off
+--------------
+Each call's progress is recorded in the thread's agent store as it happens
+(`workers.claude_calls`: seen, waiting for a person, allowed, refused, its result), and each
+tool result is put into the stored transcript as it arrives (Claude Code's own copy lags the
+next model call by about 0.1 s). `describe_interruption` reads that log: "Bash `<command>` ran,
+exit code N" when the result was recorded, else "... was interrupted; it may or may not have
+taken effect; check before running it again". The next turn (`Turn.interrupted`) continues the
+same session and tells the agent what it had been handed and that note, in brackets, before its
+input.
 
 Every later turn of the thread continues the same Claude session (`TurnResult.state`'s
 `session_id`); if the store no longer has it, a new session starts, and the agent says so.

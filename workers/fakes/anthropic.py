@@ -1,7 +1,7 @@
 """A scripted fake Anthropic Messages API on 127.0.0.1, for driving the real Claude Code CLI.
 
 Standard library only. It answers `POST /v1/messages` (any query string) with a streamed reply
-(server-sent events, the shape in `../shared/notes/claude-offline.md`), `count_tokens` and
+(server-sent events, in the shape the real API streams), `count_tokens` and
 `/v1/models` just in case, and 404 otherwise. Every request body is recorded.
 
 The model is scripted per conversation, so concurrent sessions, resumes and retries need no
