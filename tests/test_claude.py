@@ -1037,8 +1037,8 @@ def direct_turn(
 
 
 async def cut_off(harness: ClaudeHarness, turn: Turn, ready: Callable[[], bool], what: str) -> None:
-    """Run a turn until `ready`, then cancel it as a replica's death would (the CLI and the
-    command are killed)."""
+    """Run a turn until `ready`, then cancel it as a lost lease would: the harness kills the
+    CLI and every command it started."""
     task = asyncio.create_task(harness.run_turn(turn))
     await until(lambda: truthy(ready() or task.done()), what, within=SLOW)
     assert not task.done(), task.result()
@@ -1046,6 +1046,7 @@ async def cut_off(harness: ClaudeHarness, turn: Turn, ready: Callable[[], bool],
     with contextlib.suppress(asyncio.CancelledError):
         await task
     await no_cli_left()
+    assert started_under(harness.root) == {}  # the command went with its CLI
 
 
 def hold_reply(
