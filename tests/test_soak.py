@@ -196,3 +196,27 @@ def test_short_soak_has_no_violations(tmp_path: Path) -> None:
     assert summary["commands_run"] > 0 and summary["output_lines_checked"] > 0, summary
     assert summary["faults"].get("redis_kill9") == 1, summary["faults"]
     assert sum(summary["faults"].values()) >= 5, summary["faults"]
+
+
+def sampler(found: list[str]) -> soak.Soak:
+    """The soak's sampler state, with no processes or Redis behind it."""
+    run = soak.Soak.__new__(soak.Soak)
+    run.seen = {pid: soak.Seen(T) for pid in ("prm_1", "prm_2")}
+    run.procs = [SimpleNamespace(name="held-1"), SimpleNamespace(name="audit")]  # type: ignore[list-item]
+    run.redis_back_at = 0.0
+    run.reported = set()
+    run.violation = lambda kind, *rest: found.append(kind)  # type: ignore[method-assign]
+    return run
+
+
+def test_sampler_sees_two_pending_a_wrong_lock_and_a_stranded_prompt() -> None:
+    """A snapshot with two pending prompts, the lock on neither, and the open prompt held by no
+    live lease for longer than allowed is reported three ways; a healthy one is not."""
+    found: list[str] = []
+    run = sampler(found)
+    wait = orjson.dumps({"prompt_id": "prm_2"}).decode()
+    run.judge(T, {"prm_1": "answered", "prm_2": "pending"}, "prm_2", ["held-1", "2000", wait], 1000)
+    assert found == []
+    run.seen["prm_2"].stranded_since = soak.time.monotonic() - soak.STRANDED_AFTER - 1
+    run.judge(T, {"prm_1": "pending", "prm_2": "pending"}, None, ["gone", "0", wait], 1000)
+    assert sorted(found) == ["lock_mismatch", "stranded", "two_pending"]
