@@ -994,7 +994,7 @@ async def test_command_declined_is_not_run(rig: Rig, person: Broker) -> None:
     assert last_out(told).startswith("The person denied approval to run")
     assert told.user_text.startswith("The person denied your request")
     assert_no_foreign_refusal(told)
-    assert outputs(items) == [f"noted: {told.user_text}"]
+    assert outputs(items) == ["understood, not retrying"]
 
 
 async def test_command_cancelled_when_the_run_ends(rig: Rig, person: Broker) -> None:

@@ -21,7 +21,8 @@ tool output: `done: <output>`. A user message with no directive is answered:
 
 - `... APPROVED ... Retry ...` (a replica's resume text after an approval): repeat the newest tool
   call in the history exactly (a fresh call id), then finish as above.
-- `... DENIED ...`: `understood, not retrying`.
+- `... DENIED ...`, or a message starting `The person denied` / `Denied by policy rule` (the
+  Codex harness telling its agent of a refusal): `understood, not retrying`.
 - anything else: `noted: <the message>`.
 
 Every request is recorded in `FakeResponses.requests` (the parsed body's summary), for tests.
@@ -46,6 +47,8 @@ __all__ = ["FakeResponses", "Request", "plan"]
 _DIRECTIVE = re.compile(r"^(run!?|patch|ask|perm|say):\s?(.*)$")
 _OUTPUTS = ("function_call_output", "custom_tool_call_output")
 _CALLS = ("function_call", "custom_tool_call")
+#: How the Codex harness tells its agent of a refusal at once (a follow-up turn's input).
+_REFUSED = ("The person denied", "Denied by policy rule")
 _ids = itertools.count(1)
 
 
@@ -217,7 +220,7 @@ def plan(body: dict[str, Any]) -> Request:
         else:
             req.reply = [_message(f"done: {last_output}")]
         return req
-    if "DENIED" in user_text:
+    if "DENIED" in user_text or user_text.startswith(_REFUSED):
         req.reply = [_message("understood, not retrying")]
         return req
     req.reply = [_message(f"noted: {user_text}")]
