@@ -780,10 +780,9 @@ class Soak:
             a.answers, a.source = routed.get("answers"), routed.get("source")
         else:
             stale = b"is answered" in err or b"is cancelled" in err
-            a.outcome, a.detail = (
-                ("stale" if stale else "error"),
-                err.decode(errors="replace")[-300:],
-            )
+            a.outcome, a.detail = "stale" if stale else "error", err.decode(errors="replace")
+            if not stale:
+                self.note(f"prompt-broker answer failed: {a.detail.strip()[-300:]}")
 
     # -- settling --------------------------------------------------------------------------
 
