@@ -8,6 +8,7 @@ on a fixed seed's schedule, and zero violations.
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import soak  # noqa: E402 - bench/ is not a package
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
+IDS = itertools.count()
 T = "soak000"
 
 
@@ -50,12 +52,11 @@ def approval(pid: str, mark: str, label: str, **fields: Any) -> Prompt:
 
 
 def item(type_: str, text: str = "", **metadata: Any) -> Item:
-    meta = {"type": type_, **metadata} if type_ else metadata
     return Item(
-        id=metadata.pop("id", f"i{abs(hash((type_, text, str(metadata))))}"),
+        id=f"itm_{next(IDS)}",
         author="prompt-broker",
         content=[{"type": "text", "text": text}],
-        metadata=meta,
+        metadata={"type": type_, **metadata},
         created_at=NOW,
     )
 
