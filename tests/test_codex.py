@@ -894,6 +894,43 @@ async def test_refusals_nobody_made_are_not_denials(solo: Solo) -> None:
     assert not target.exists()
 
 
+class FailingReplies(MemStore):
+    """A store that cannot record an approval (as Redis failing at that moment)."""
+
+    async def append(self, key: str, entries: Sequence[Any]) -> None:
+        if any(isinstance(e, dict) and e.get("decision") == "accept" for e in entries):
+            raise ConnectionError("redis went away")
+        await super().append(key, entries)
+
+
+async def test_an_approval_that_cannot_be_recorded_is_not_sent(solo: Solo) -> None:
+    """An approval is recorded before it is sent (else a replica taking over after a crash
+    would report a call that ran as never run). When it cannot be recorded, Codex gets
+    `cancel`, the command does not run, and the model is told it was unavailable."""
+    solo.store = FailingReplies()
+    target = solo.work / "unrecorded.txt"
+    result = await solo.turn(f"run!: echo x > {target}", Handle(["Approve"]))
+    assert result.status == "completed"
+    assert solo.wire.replies(COMMAND) == [{"decision": "cancel"}]
+    assert not target.exists()
+    told = solo.fake.requests[1]
+    assert "could not be put to a person (the approval could not be recorded)" in told.user_text
+    assert_no_foreign_refusal(told)
+
+
+async def test_guarded_never_approves_for_the_session(solo: Solo) -> None:
+    """Under `guarded` a person's "Approve for this session" is a one-time `accept`: a
+    session-wide approval would let later calls past the gate."""
+    handle = Handle([SESSION_LABEL])
+    result = await solo.turn(
+        "patch: p.txt hello", handle, permissions="guarded", gate=GateVerdict("ask")
+    )
+    assert result.status == "completed"
+    assert [o.label for o in handle.asks[0][1][0].options][-1] == SESSION_LABEL
+    assert solo.wire.replies(FILE_CHANGE) == [{"decision": "accept"}]
+    assert (solo.work / "p.txt").read_text() == "hello\n"
+
+
 async def test_questions_nobody_answered_interrupt_the_turn(solo: Solo) -> None:
     """A requestUserInput cannot be refused in its reply: the turn is interrupted, then it is
     answered (well-formed, empty), and the model is never told an answer nobody gave."""
