@@ -282,10 +282,13 @@ async def test_a_wait_on_a_delivered_answer_is_an_interruption(th: Thread) -> No
 WORK = 3.0
 
 
-def marker_script(thread: str, marker: Path, work: float = WORK) -> dict[str, Any]:
+def marker_script(
+    thread: str, marker: Path, work: float = WORK, command: str | None = None
+) -> dict[str, Any]:
     """An approval for a command that really runs (it appends a line to `marker`), then work,
     then a last line. A later message `again` makes the agent try the same command again."""
-    call = {"tool": "Bash", "input": {"command": f"echo RAN >> {marker}"}, "shell": True}
+    command = command or f"echo RAN >> {marker}"
+    call = {"tool": "Bash", "input": {"command": command}, "shell": True}
     return {
         "script": {
             "turns": [
@@ -310,11 +313,15 @@ class Cut:
     holder: str
 
 
-async def ran_once_then(rig: Rig, thread: str, marker: Path, work: float = WORK) -> Cut:
+async def ran_once_then(
+    rig: Rig, thread: str, marker: Path, work: float = WORK, command: str | None = None
+) -> Cut:
     """Start the thread, let its approval park, approve it, and return once the resume turn
-    spent its grant and ran the command (while it works on, before its end)."""
+    spent its grant and ran the command (while it works on, before its end); with `command`,
+    once that command started."""
     b = rig.b
-    await b.sessions.create(thread, "scripted", "approval", marker_script(thread, marker, work))
+    config = marker_script(thread, marker, work, command)
+    await b.sessions.create(thread, "scripted", "approval", config)
     await b.post_item(thread, text("Please go ahead."))
 
     async def parked() -> Prompt | None:
@@ -333,6 +340,9 @@ async def ran_once_then(rig: Rig, thread: str, marker: Path, work: float = WORK)
         items = await b.items(thread)
         if marks(marker) < 1 or not of_type(items, "approval_granted"):
             return None
+        # After the command: its end recorded (it says so right after); during: it started.
+        if command is None and not any(line.startswith("Ran Bash") for line in outputs(items)):
+            return None
         s = await b.sessions.get(thread)
         return s.owner if s is not None and s.status == "running" else None
 
@@ -340,7 +350,7 @@ async def ran_once_then(rig: Rig, thread: str, marker: Path, work: float = WORK)
     return Cut(thread, prompt.prompt_id, marker, holder)
 
 
-async def told_once(rig: Rig, cut: Cut) -> None:
+async def told_once(rig: Rig, cut: Cut, note: str | None = None) -> None:
     """After the fault: the command ran once, one grant, one audit item, one interruption item
     with the truth; then the next turn is told, and its retry asks a person again."""
     b = rig.b
@@ -364,7 +374,8 @@ async def told_once(rig: Rig, cut: Cut) -> None:
     assert len(told) == 1, [i.text for i in told]
     assert told[0].text.startswith(INTERRUPTED)
     assert f"the person approved `Bash` (prompt {cut.prompt_id})" in told[0].text
-    assert f"Bash `echo RAN >> {cut.marker}` ran, exit code 0" in told[0].text
+    note = note or f"Bash `echo RAN >> {cut.marker}` ran, exit code 0"
+    assert note in told[0].text, told[0].text
     assert told[0].metadata["interrupted"]["delivered"] == cut.prompt_id
     assert f"{cut.thread}: wrapped up." not in outputs(items)
     assert len(deliveries(rig.logs, cut.prompt_id)) == 1
@@ -381,7 +392,7 @@ async def told_once(rig: Rig, cut: Cut) -> None:
     items = await b.items(cut.thread)
     first = [line for line in outputs(items) if line.startswith("My previous turn")]
     assert len(first) == 1, outputs(items)
-    assert "the person approved `Bash`" in first[0] and "ran, exit code 0" in first[0]
+    assert "the person approved `Bash`" in first[0] and note in first[0]
     assert len(of_type(items, "approval_granted")) == 1
     assert marks(cut.marker) == 1
     s = await b.sessions.get(cut.thread)
@@ -547,3 +558,49 @@ async def test_sigkill_with_many_threads_cut_at_once(server: RedisServer, tmp_pa
             )
             assert done and marks(c.marker) == 1
             assert not [i for i in await rig.b.items(c.thread) if i.metadata.get("interrupted")]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.real_redis
+async def test_sigkill_while_the_command_runs(server: RedisServer, tmp_path: Path) -> None:
+    """SIGKILL of the replica while the approved command still runs: the command (and what it
+    started) dies with it within a second; the adopter says the call may or may not have taken
+    effect, never that it failed; nothing runs twice."""
+    marker, pidfile = tmp_path / "w1.marker", tmp_path / "w1.pid"
+    command = f"echo RAN >> {marker}; sleep 30 & echo $! > {pidfile}; wait"
+    async with running_fleet(server, tmp_path, workers=2, **PARKED) as rig:
+        cut = await ran_once_then(rig, "w1", marker, command=command)
+        pid = int(await crash_until(lambda: _read(pidfile), 5, "the command's child pid"))
+        proc = rig.fleet.replica(cut.holder).proc
+        assert proc is not None and alive(pid)
+        rig.fleet.kill(cut.holder, signal.SIGKILL)
+        await asyncio.to_thread(proc.wait, 5)
+        killed_at = asyncio.get_running_loop().time()
+        await crash_until(lambda: _gone(pid), 1.0, "the command to die with its replica")
+        print(f"the command died {asyncio.get_running_loop().time() - killed_at:.3f} s after")
+        await told_once(
+            rig,
+            cut,
+            note=f"Bash `{command}` was interrupted; it may or may not have taken effect; "
+            "check before running it again",
+        )
+
+
+async def _read(path: Path) -> str | None:
+    return await asyncio.to_thread(_read_now, path)
+
+
+def _read_now(path: Path) -> str | None:
+    text_ = path.read_text().strip() if path.exists() else ""
+    return text_ or None
+
+
+async def _gone(pid: int) -> bool:
+    return not alive(pid)

@@ -7,6 +7,7 @@ scripts it, and `emit` collects the agent's output. No Redis, no replica.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -762,3 +763,29 @@ async def test_the_next_turn_tells_the_interruption_first() -> None:
     )
     assert r.out[1] == "Ran Bash `make deploy`:\ndeployed"
     assert len(r.handle.asked) == 1
+
+
+async def test_a_cancelled_turn_kills_its_shell_call(tmp_path: Path) -> None:
+    """A turn cancelled while its shell call runs (a lost thread, a shutdown) kills the command
+    and whatever it started; the call is left logged as started, not ended."""
+    pidfile = tmp_path / "pid"
+    store = MemoryStore()
+    config = steps(shell(f"sleep 30 & echo $! > {pidfile}; wait"))
+    task = asyncio.create_task(run(config, permissions="autonomous", store=store))
+    for _ in range(200):
+        if pidfile.exists() and pidfile.read_text().strip():
+            break
+        await asyncio.sleep(0.02)
+    pid = int(pidfile.read_text())
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        await asyncio.sleep(0.02)
+    else:
+        raise AssertionError(f"the shell call's child {pid} outlived its turn")
+    assert "may or may not have taken effect" in await describe(store)

@@ -45,8 +45,10 @@ in order, each an object with exactly one of these keys:
   agent says so and that nobody refused it. The next step runs in every case.
   With `"shell": true` the call really runs: `input.command` under `/bin/sh` in the work folder
   (at most `MAX_SHELL` seconds), and its output replaces `output` (`(exit code N)` is added
-  when it is not 0). Every call that runs is logged in the agent store (`CALLS`) as it starts
-  and as it ends, so a turn cut off in between is told truthfully (`describe_interruption`).
+  when it is not 0). It runs under a supervisor, so it and whatever it starts die with the
+  replica (SIGKILL included) or with the turn. Every call that runs is logged in the agent
+  store (`CALLS`) as it starts and as it ends, so a turn cut off in between is told truthfully
+  (`describe_interruption`).
 - `{"ask": [question, ...]}`: an `ask_user_question` prompt of one or more questions, each a
   `broker.models.Question` (`question`, `header`, `options` of `{label, description}`,
   `multiSelect`; no options means free text). The agent outputs one line per question, the
@@ -89,6 +91,9 @@ taken effect), and ``I will not repeat anything of it unasked.``; then the turn 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +104,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from broker import LIMITS, Answer, BadItem, PromptCancelled, PromptUnavailable, Question, verdict
 from broker.answers import NEGATIVE
+from workers import claude_launch
 from workers.harness import (
     AgentStore,
     Interruption,
@@ -434,22 +440,37 @@ def _undelivered(what: str, e: PromptUnavailable) -> str:
 
 
 async def _shell(command: str, work_folder: str) -> tuple[str, int]:
-    """Run a `shell` tool call's command: (its output, its exit code)."""
+    """Run a `shell` tool call's command: (its output, its exit code).
+
+    Under the same supervisor as the Claude Code CLI (`workers.claude_launch`): the command and
+    everything it starts die with the replica, however the replica dies, and with the turn when
+    the turn is cancelled (a lost thread, a shutdown past its grace).
+    """
+    env = {**os.environ, claude_launch.PARENT_ENV: str(os.getpid())}
     proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-I",
+        "-S",
+        claude_launch.__file__,
         "/bin/sh",
         "-c",
         command,
         cwd=work_folder or None,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
     try:
         async with asyncio.timeout(MAX_SHELL):
             out, _ = await proc.communicate()
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        return f"(stopped after {MAX_SHELL:g} s)", -9
+    except BaseException as e:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(claude_launch.KILL_TREE)
+        await asyncio.shield(proc.wait())
+        if isinstance(e, TimeoutError):
+            return f"(stopped after {MAX_SHELL:g} s)", -9
+        raise
     return out.decode(errors="replace").rstrip("\n"), proc.returncode or 0
 
 
