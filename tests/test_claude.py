@@ -18,7 +18,7 @@ import os
 import re
 import signal
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -1207,7 +1207,7 @@ async def crash_an_approved_command(
     work: Path,
     *,
     marker_name: str,
-    kill_when: Callable[[], bool],
+    kill_when: Callable[[], Awaitable[bool]],
     then: Reply,
 ) -> tuple[Item, str, dict[str, Any]]:
     """Two replica processes; a person approves `echo RAN >> marker; sleep 8`; the replica
@@ -1222,7 +1222,7 @@ async def crash_an_approved_command(
         await until(lambda: person.active_prompt("t1"), "the approval prompt", within=SLOW)
         owner = await owner_of(person, "t1")
         await person.post_item("t1", say("yes"))
-        await until(lambda: truthy(kill_when()), "the moment to kill", within=SLOW)
+        await until(kill_when, "the moment to kill", within=SLOW)
         fleet.kill(owner, signal.SIGKILL)
         item = await interrupted_item(person, "t1")
         assert (await session(person, "t1")).owner != owner
@@ -1252,7 +1252,7 @@ async def test_replica_killed_while_an_approved_command_runs(
         tmp_path,
         work,
         marker_name="E2E-DURING",
-        kill_when=marker.exists,
+        kill_when=lambda: truthy(marker.exists()),
         then=[text("Done.")],
     )
     note = (
@@ -1275,6 +1275,13 @@ async def test_replica_killed_after_the_command_while_the_model_reply_is_pending
     was recorded as it arrived, so the item and the model's next message say it ran, exit
     code 0; the command ran once."""
     gate, asked = threading.Event(), threading.Event()
+
+    async def result_recorded() -> bool:
+        # the model has been asked again, and the replica has recorded the result it sent
+        # (on a loaded box the replica may record it a moment after the request goes out)
+        raw = await person.redis.lrange(person.thread("t1").agent(claude_calls.CALLS), 0, -1)
+        return asked.is_set() and any(b'"e":"result"' in r.encode() for r in raw)
+
     try:
         item, told, call = await crash_an_approved_command(
             person,
@@ -1283,7 +1290,7 @@ async def test_replica_killed_after_the_command_while_the_model_reply_is_pending
             tmp_path,
             work,
             marker_name="E2E-AFTER",
-            kill_when=asked.is_set,
+            kill_when=result_recorded,
             then=hold_reply(gate, asked),
         )
     finally:
