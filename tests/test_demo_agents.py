@@ -69,12 +69,16 @@ def test_demo_on_the_real_codex_cli() -> None:
     passed(demo("--harness", "codex"), "the real Codex CLI")
 
 
-def test_demo_unknown_harness_one_line_error() -> None:
+def test_demo_unknown_harness_is_refused_with_the_choices() -> None:
+    """An unknown `--harness` is argparse's usage error naming the choices: exit 2, no traceback,
+    nothing started."""
     run = demo("--harness", "gpt")
     assert run.returncode == 2
-    assert run.stderr == (
-        "prompt-broker: error: --harness: no demo for 'gpt' (have: scripted, claude_code, codex)\n"
+    assert run.stderr.splitlines()[-1] == (
+        "prompt-broker demo: error: argument --harness: invalid choice: 'gpt' "
+        "(choose from 'scripted', 'claude_code', 'codex')"
     )
+    assert "Traceback" not in run.stderr
     assert run.stdout == ""
 
 
