@@ -20,7 +20,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from ulid import ULID
 
-from broker import _scripts
 from broker._codec import body, ms_datetime
 from broker.errors import BadItem, BrokerUnavailable, Fenced, ThreadNotFound
 from broker.keys import check_thread_id
@@ -146,8 +145,6 @@ def _fenced(thread_id: str, epoch: int, reply: list[Any]) -> Fenced:
 
 logger = logging.getLogger("broker")
 
-#: Scripts of this module the broker's script table may not list yet (it lives elsewhere).
-_OWN_SCRIPTS = ("interrupt", "close")
 #: A delivery whose reply was lost on a dropped connection is tried once more with its token.
 _ATTEMPTS = 2
 _LINK_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
@@ -171,10 +168,6 @@ class Sessions:
 
     def __init__(self, broker: Broker) -> None:
         self._b = broker
-        scripts = broker._scripts.by_name
-        for name in _OWN_SCRIPTS:
-            if name not in scripts:
-                scripts[name] = _scripts._load(name)
 
     async def _call(self, name: str, keys: list[str], args: list[Any]) -> list[Any]:
         self._b._check_open()
