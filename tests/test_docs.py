@@ -32,7 +32,7 @@ OPERATIONS = (DOCS / "operations.md").read_text()
 PROTOCOL = (DOCS / "protocol.md").read_text()
 ARCHITECTURE = (DOCS / "architecture.md").read_text()
 MARKDOWN = [*sorted(ROOT.glob("*.md")), *sorted(DOCS.rglob("*.md"))]
-CODE_DIRS = ("broker", "workers", "tests", "bench")
+CODE_DIRS = tuple(d for d in ("broker", "workers", "web", "tests", "bench") if (ROOT / d).is_dir())
 BUILD_FILES = (".ci/run", "Dockerfile", "docker-compose.yml", "pyproject.toml")
 
 
@@ -180,8 +180,8 @@ OUTSIDE_DOCS = re.compile(r"\bDESIGN\b|\bSTYLE\.md\b|reference-behaviour|interac
 #: A path that climbs out of its folder, or one that starts at a top-level folder of the repo
 #: (or at the outside folders such references used to name).
 PATH = re.compile(
-    r"(?<![\w/$~.{<-])((?:\.\./)+[\w./-]*[\w/]|(?:broker|workers|tests|bench|docs|scripts|spec|"
-    r"shared)/[\w./-]*[\w/])"
+    r"(?<![\w/$~.{<-])((?:\.\./)+[\w./-]*[\w/]|(?:broker|workers|web|tests|bench|docs|scripts|"
+    r"spec|shared)/[\w./-]*[\w/])"
 )
 #: A Markdown file named on its own (`README.md`).
 MD_NAME = re.compile(r"(?<![\w/.-])([\w-]+\.md)\b")
@@ -223,8 +223,8 @@ def _hash_comments(path: Path) -> Iterator[tuple[int, str]]:
 
 
 def _sources() -> Iterator[tuple[Path, int, str]]:
-    """Every comment and docstring in broker/, workers/, tests/ and bench/, the comments of the
-    scripts and the build files, and every Markdown file."""
+    """Every comment and docstring in broker/, workers/, web/, tests/ and bench/, the comments
+    of the scripts and the build files, and every Markdown file."""
     for path in [*sorted((ROOT / "scripts").iterdir()), *(ROOT / f for f in BUILD_FILES)]:
         if path.is_file():
             for line, text in _hash_comments(path):
