@@ -419,6 +419,15 @@ class Sessions:
             raise _fenced(thread_id, epoch, reply)
         return bool(reply[0] == "posted")
 
+    async def grant_of(self, thread_id: str, prompt_id: str) -> Literal["none", "unused", "used"]:
+        """What became of a prompt's one-shot grant: never minted, minted and not spent, or
+        spent (its `approval_granted` item posted), as the prompt's record says."""
+        key = self._b.thread(thread_id).prompt(prompt_id)
+        granted, item = await self._b.redis.hmget(key, ["granted", "grant_item"])  # type: ignore[misc]
+        if item:
+            return "used"
+        return "unused" if granted else "none"
+
     async def spend_grant(self, session: Session, epoch: int, question: str) -> str | None:
         """Spend the session's grant (as read in `session`) and post `approval_granted`.
 

@@ -311,14 +311,21 @@ class Cut:
     prompt_id: str
     marker: Path
     holder: str
+    held: bool = False  # answered in place (held wait): no grant is minted
 
 
 async def ran_once_then(
-    rig: Rig, thread: str, marker: Path, work: float = WORK, command: str | None = None
+    rig: Rig,
+    thread: str,
+    marker: Path,
+    work: float = WORK,
+    command: str | None = None,
+    *,
+    held: bool = False,
 ) -> Cut:
     """Start the thread, let its approval park, approve it, and return once the resume turn
     spent its grant and ran the command (while it works on, before its end); with `command`,
-    once that command started."""
+    once that command started. `held`: the approval is waited on in place, not parked."""
     b = rig.b
     config = marker_script(thread, marker, work, command)
     await b.sessions.create(thread, "scripted", "approval", config)
@@ -326,7 +333,7 @@ async def ran_once_then(
 
     async def parked() -> Prompt | None:
         s = await b.sessions.get(thread)
-        if s is None or s.status != "parked" or s.waiting is None:
+        if s is None or s.status != ("running" if held else "parked") or s.waiting is None:
             return None
         return await b.active_prompt(thread)
 
@@ -338,7 +345,7 @@ async def ran_once_then(
 
     async def ran() -> str | None:
         items = await b.items(thread)
-        if marks(marker) < 1 or not of_type(items, "approval_granted"):
+        if marks(marker) < 1 or (not held and not of_type(items, "approval_granted")):
             return None
         # After the command: its end recorded (it says so right after); during: it started.
         if command is None and not any(line.startswith("Ran Bash") for line in outputs(items)):
@@ -347,7 +354,7 @@ async def ran_once_then(
         return s.owner if s is not None and s.status == "running" else None
 
     holder = await crash_until(ran, 20, "the resume turn to spend its grant and run the command")
-    return Cut(thread, prompt.prompt_id, marker, holder)
+    return Cut(thread, prompt.prompt_id, marker, holder, held)
 
 
 async def told_once(rig: Rig, cut: Cut, note: str | None = None) -> None:
@@ -368,7 +375,7 @@ async def told_once(rig: Rig, cut: Cut, note: str | None = None) -> None:
     items = await b.items(cut.thread)
     assert marks(cut.marker) == 1, f"the approved command ran {marks(cut.marker)} times"
     grants = of_type(items, "approval_granted")
-    assert [g.metadata["granted_by"] for g in grants] == [cut.prompt_id]
+    assert [g.metadata["granted_by"] for g in grants] == ([] if cut.held else [cut.prompt_id])
     assert audited == [cut.prompt_id] and len(of_type(items, "pending_prompt_resolved")) == 1
     told = [i for i in items if i.metadata.get("interrupted")]
     assert len(told) == 1, [i.text for i in told]
@@ -376,6 +383,9 @@ async def told_once(rig: Rig, cut: Cut, note: str | None = None) -> None:
     assert f"the person approved `Bash` (prompt {cut.prompt_id})" in told[0].text
     note = note or f"Bash `echo RAN >> {cut.marker}` ran, exit code 0"
     assert note in told[0].text, told[0].text
+    used = "Its one-shot approval was used." in told[0].text
+    assert used is not cut.held, told[0].text
+    assert "was not used" not in told[0].text
     assert told[0].metadata["interrupted"]["delivered"] == cut.prompt_id
     assert f"{cut.thread}: wrapped up." not in outputs(items)
     assert len(deliveries(rig.logs, cut.prompt_id)) == 1
@@ -393,7 +403,7 @@ async def told_once(rig: Rig, cut: Cut, note: str | None = None) -> None:
     first = [line for line in outputs(items) if line.startswith("My previous turn")]
     assert len(first) == 1, outputs(items)
     assert "the person approved `Bash`" in first[0] and note in first[0]
-    assert len(of_type(items, "approval_granted")) == 1
+    assert len(of_type(items, "approval_granted")) == len(grants)
     assert marks(cut.marker) == 1
     s = await b.sessions.get(cut.thread)
     assert s is not None and s.interrupted is None
@@ -604,3 +614,18 @@ def _read_now(path: Path) -> str | None:
 
 async def _gone(pid: int) -> bool:
     return not alive(pid)
+
+
+@pytest.mark.real_redis
+async def test_sigkill_after_a_held_approval_ran_its_command(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """A held approval answered in place (no grant), its command run, then SIGKILL: the adopter
+    reports the answer it had been handed, once; nothing is handed over or run again."""
+    async with running_fleet(server, tmp_path, workers=2) as rig:
+        cut = await ran_once_then(rig, "h1", tmp_path / "h1.marker", held=True)
+        proc = rig.fleet.replica(cut.holder).proc
+        assert proc is not None
+        rig.fleet.kill(cut.holder, signal.SIGKILL)
+        await asyncio.to_thread(proc.wait, 5)
+        await told_once(rig, cut)

@@ -391,14 +391,14 @@ class Replica:
             if prompt is not None and prompt.state == "answered":
                 delivered = _resume_of(prompt)
         note = await self._describe(t, session)
-        unused = None
+        grant = "none"
         if delivered is not None and delivered.verdict == "approve":
-            unused = session.grant is not None and session.grant.granted_by == delivered.prompt_id
+            grant = await self.broker.sessions.grant_of(t.thread_id, delivered.prompt_id)
         interruption = Interruption(delivered=delivered, note=note)
         told = await self.broker.sessions.interrupt(
             t.thread_id,
             t.epoch,
-            interruption_text(delivered, note, grant_unused=unused),
+            interruption_text(delivered, note, grant=grant),
             metadata={"interrupted": {"delivered": delivered_id or None, "note": note}},
             interruption=interruption_record(interruption),
             waited=waited.prompt_id if waited is not None else None,
@@ -745,16 +745,17 @@ def _resume_of(prompt: Prompt) -> Resume:
     )
 
 
-def interruption_text(
-    delivered: Resume | None, note: str, *, grant_unused: bool | None = None
-) -> str:
-    """The thread item that tells the person a turn was cut off, and what is known of it."""
+def interruption_text(delivered: Resume | None, note: str, *, grant: str = "none") -> str:
+    """The thread item that tells the person a turn was cut off, and what is known of it.
+
+    `grant`: what became of the one-shot grant the delivered approval minted (`none` when it
+    minted none: a held approval is answered in place)."""
     parts = ["the turn was interrupted: the replica running it stopped."]
     if delivered is not None:
         parts.append(f"It had been handed {describe_delivered(delivered)}.")
-        if grant_unused is True:
+        if grant == "unused":
             parts.append("Its one-shot approval was not used: the call did not run through it.")
-        elif grant_unused is False:
+        elif grant == "used":
             parts.append("Its one-shot approval was used.")
     if note:
         parts.append(note.rstrip(".") + ".")
