@@ -193,6 +193,42 @@ async def test_worker_rules_come_first(fleet: Fleet, person: Broker) -> None:
     assert denied.metadata["rule"] == "w-no-push"
 
 
+ISSUE_POLICY: dict[str, Any] = {
+    "default": "ask",
+    "rules": [
+        {"id": "git-ok", "effect": "exec", "action": "allow", "command": ["git status*"]},
+        {"id": "no-rm", "effect": "exec", "action": "deny", "command": ["rm *"]},
+        {"id": "no-touch", "effect": "exec", "action": "deny", "command": ["touch *"]},
+        {"id": "w-out", "effect": "write", "action": "deny", "outside": "work_folder"},
+    ],
+}
+#: Commands a hand-written splitter once let through an allow rule, silently, on a fleet; the
+#: last is long enough to be decided in a worker thread.
+SMUGGLED = [
+    ("git status <(touch x)", "no-touch"),
+    ("git status # it's fine\ntouch x", "no-touch"),
+    ("git status $'\\'' ; touch x", "no-touch"),
+    ("git status > /etc/cron.d/x", "w-out"),
+    ("git status " + "a " * policy.ASYNC_OVER + "; touch x", "no-touch"),
+]
+
+
+async def test_smuggled_commands_never_run_on_a_replica(fleet: Fleet, person: Broker) -> None:
+    """On a replica, each command that smuggles a payload past the allow rule is refused by the
+    deny rule it hides from, with a `policy_denied` item; none runs, no one is asked."""
+    await fleet.start("r1")
+    steps = [bash(command, "ran") for command, _ in SMUGGLED]
+    await start_guarded(person, "t1", script(*steps, {"say": "end"}), ISSUE_POLICY)
+    items = await turn_ends(person, "t1")
+    said = outputs(items)
+    assert not [line for line in said if line.startswith("Ran ")]
+    assert [i.metadata["rule"] for i in of_type(items, "policy_denied")] == [
+        rule for _, rule in SMUGGLED
+    ]
+    assert of_type(items, "pending_prompt") == []
+    assert said[-1] == "end"
+
+
 async def test_evaluator_error_denies_with_no_item(
     fleet: Fleet, person: Broker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
