@@ -1,0 +1,171 @@
+"""The ASGI app: the JSON API under `/v1`, its event streams, health checks and the web inbox.
+
+Stateless beyond Redis: every copy behind a load balancer answers every request the same (with
+the same `PROMPT_BROKER_API_SESSION_SECRET`, session cookies too). It reads and writes prompts
+only through the `Broker` API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from redis.exceptions import RedisError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import FileResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from broker import BadItem, Broker, BrokerError, Settings
+from web.api import Api
+from web.auth import Gate
+from web.errors import ApiError, error_response, from_broker, json_response
+from web.openapi import document
+from web.settings import ApiSettings, broker_settings
+from web.sse import EventHub
+
+__all__ = ["STATIC", "create_app"]
+
+logger = logging.getLogger("web")
+
+STATIC = Path(__file__).parent / "static"
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(exc)
+
+
+async def _broker_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, BrokerError)
+    error = from_broker(exc)
+    if error.status >= 500:
+        logger.warning("api.unavailable", extra={"path": request.url.path, "error": str(exc)})
+    return error_response(error)
+
+
+async def _redis_error(request: Request, exc: Exception) -> Response:
+    # A read the library does not wrap (a session record, the index) met an outage.
+    logger.warning("api.unavailable", extra={"path": request.url.path, "error": repr(exc)})
+    return error_response(
+        ApiError(503, "unavailable", "Redis could not be reached", headers={"Retry-After": "1"})
+    )
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return error_response(
+        ApiError(exc.status_code, code, str(exc.detail), headers=dict(exc.headers or {}))
+    )
+
+
+async def _internal(request: Request, exc: Exception) -> Response:
+    # Never the request's headers in the log: they may carry a token or a session cookie.
+    logger.error("api.internal", extra={"path": request.url.path}, exc_info=exc)
+    return error_response(ApiError(500, "internal", "an internal error (logged)"))
+
+
+def _api(request: Request) -> Api:
+    api: Api = request.app.state.api
+    return api
+
+
+def handler(name: str) -> Any:
+    """The route for one of `Api`'s methods, looked up when the app has started."""
+
+    async def call(request: Request) -> Response:
+        return await getattr(_api(request), name)(request)  # type: ignore[no-any-return]
+
+    call.__name__ = name
+    return call
+
+
+async def healthz(request: Request) -> Response:
+    return json_response({"ok": True})
+
+
+async def readyz(request: Request) -> Response:
+    try:
+        await _api(request).broker.redis.ping()
+    except (RedisError, OSError) as e:
+        return json_response({"ok": False, "redis": False, "error": repr(e)}, 503)
+    return json_response({"ok": True, "redis": True})
+
+
+async def openapi(request: Request) -> Response:
+    return json_response(document())
+
+
+async def index(request: Request) -> Response:
+    page = STATIC / "index.html"
+    if page.is_file():
+        return FileResponse(page, headers={"Cache-Control": "no-cache"})
+    return PlainTextResponse("prompt-broker: the web inbox is not installed", 404)
+
+
+def create_app(
+    api_settings: ApiSettings | None = None,
+    settings: Settings | None = None,
+    *,
+    broker: Broker | None = None,
+) -> Starlette:
+    """The app. With `broker` (tests), it serves that Broker and leaves it open at shutdown;
+    otherwise it opens its own from `settings` (default: the environment) when it starts."""
+    api_settings = api_settings or ApiSettings.from_env()
+    settings = broker.settings if broker is not None else settings or broker_settings()
+    identity = settings.identity
+    if any(i.name == identity for i in api_settings.tokens):
+        # Its items would be the broker's own: never answers, and free to forge audit items.
+        raise BadItem("PROMPT_BROKER_API_TOKENS", f"no token may be named {identity!r}")
+    gate = Gate(api_settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        own = broker is None
+        b = broker or Broker.from_url(settings=settings)
+        hub = EventHub(b.redis, b.keys)
+        await hub.start()
+        app.state.api = Api(b, api_settings, gate, hub)
+        try:
+            yield
+        finally:
+            await hub.aclose()
+            if own:
+                await b.aclose()
+
+    routes = [
+        Route("/", index),
+        Route("/healthz", healthz),
+        Route("/readyz", readyz),
+        Route("/openapi.json", openapi),
+        Route("/v1/session", handler("sign_in"), methods=["POST"]),
+        Route("/v1/session", handler("whoami"), methods=["GET"]),
+        Route("/v1/session", handler("sign_out"), methods=["DELETE"]),
+        Route("/v1/prompts", handler("list_prompts")),
+        Route("/v1/threads", handler("list_threads")),
+        Route("/v1/events", handler("events")),
+        Route("/v1/threads/{thread_id}", handler("get_thread")),
+        Route("/v1/threads/{thread_id}/events", handler("events")),
+        Route("/v1/threads/{thread_id}/prompts/{prompt_id}", handler("get_prompt")),
+        Route("/v1/threads/{thread_id}/items", handler("post_item"), methods=["POST"]),
+        Route("/v1/threads/{thread_id}/cancel", handler("cancel"), methods=["POST"]),
+        Mount("/static", StaticFiles(directory=STATIC, check_dir=False), name="static"),
+    ]
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={
+            ApiError: _api_error,
+            BrokerError: _broker_error,
+            RedisError: _redis_error,
+            ConnectionError: _redis_error,
+            HTTPException: _http_error,
+            Exception: _internal,
+        },
+    )
