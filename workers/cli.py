@@ -10,6 +10,10 @@ prompt-broker demo [--workers N]         a self-driving scenario on a throwaway 
 prompt-broker thread new THREAD [...]    create a thread and its agent session
 prompt-broker thread close THREAD        end a thread (its open prompt is cancelled)
 prompt-broker thread status THREAD [--json]   who holds it, its lease, what it waits on
+prompt-broker serve [--host H] [--port P] [--tokens FILE]
+                                         the HTTP API, its event streams and the web inbox
+prompt-broker token new NAME --scopes read,answer [--threads GLOB]
+                                         make a token; prints it, then its line for the config
 """
 
 from __future__ import annotations
@@ -469,6 +473,89 @@ async def cmd_thread(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+# -- serve, token ------------------------------------------------------------------------------
+
+
+def _serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=None, help="the address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="the port (default 8420)")
+    parser.add_argument(
+        "--tokens",
+        default=None,
+        metavar="FILE",
+        help="the identities, a JSON file (default: PROMPT_BROKER_API_TOKENS)",
+    )
+
+
+async def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    # The web package is imported here only: the rest of the CLI does not need Starlette.
+    import uvicorn
+
+    from web.app import create_app
+    from web.settings import ApiSettings
+
+    configure(_level(args))
+    api = ApiSettings.from_env(host=args.host, port=args.port, tokens=_token_file(args.tokens))
+    if not api.tokens:
+        logger.warning("serve.no_tokens")  # every /v1 request will be refused: 401
+    config = uvicorn.Config(
+        create_app(api, settings),
+        host=api.host,
+        port=api.port,
+        log_config=None,  # ours, configured above; the access log shows no token (none in URLs)
+        lifespan="on",
+    )
+    await uvicorn.Server(config).serve()
+    return 0
+
+
+def _token_file(path: str | None) -> Any:
+    if path is None:
+        return None
+    from web.settings import load_tokens
+
+    return load_tokens(path)
+
+
+def _token_args(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    new = sub.add_parser("new", help="make a token and print its configuration line")
+    new.add_argument("name", metavar="NAME", help="whose token: the author of what it posts")
+    new.add_argument(
+        "--scopes",
+        required=True,
+        help="comma-separated: read (GETs, events), answer (post, cancel), admin (everything)",
+    )
+    new.add_argument("--threads", default=None, metavar="GLOB", help="only these threads")
+
+
+async def cmd_token(args: argparse.Namespace, settings: Settings) -> int:
+    import secrets
+
+    from web.settings import Identity
+
+    token = "pb_" + secrets.token_urlsafe(32)
+    scopes = [s.strip() for s in args.scopes.split(",") if s.strip()]
+    entry: dict[str, Any] = {"name": args.name, "token": token, "scopes": scopes}
+    if args.threads is not None:
+        entry["threads"] = args.threads
+    try:
+        identity = Identity.model_validate(entry)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise BadItem(str(err["loc"][0]) if err["loc"] else "token", err["msg"]) from None
+    if identity.name == settings.identity:
+        raise BadItem("name", f"{identity.name!r} is the broker's own identity")
+    print(token)
+    print(orjson.dumps(identity.model_dump(exclude_defaults=True)).decode())
+    print(
+        f"{_me()}: the first line is the token, shown once: give it to {identity.name}. Add "
+        "the second line to the list in PROMPT_BROKER_API_TOKENS (or its file).",
+        file=sys.stderr,
+    )
+    return 0
+
+
 #: What a fleet's own processes are handed (PROMPT_BROKER_REDIS_URL): they never look around.
 _HANDED = "the Redis server (default: PROMPT_BROKER_REDIS_URL, else redis://127.0.0.1:6379/0)"
 
@@ -505,6 +592,15 @@ RUNTIME: dict[str, Command] = {
         redis_help=DEMO_REDIS,
     ),
     "thread": Command("create, close or inspect a thread", _thread_args, cmd_thread),
+    "serve": Command(
+        "serve the HTTP API and the web inbox until SIGTERM/SIGINT",
+        _serve_args,
+        cmd_serve,
+        0,
+    ),
+    "token": Command(
+        "make an API token", _token_args, cmd_token, finds_fleet=False, redis_help=_HANDED
+    ),
 }
 
 
