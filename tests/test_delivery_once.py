@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from broker import Broker, Fenced, Grant, Item, Option, Prompt, Question
 from broker.keys import ThreadKeys
@@ -629,3 +630,39 @@ async def test_sigkill_after_a_held_approval_ran_its_command(
         rig.fleet.kill(cut.holder, signal.SIGKILL)
         await asyncio.to_thread(proc.wait, 5)
         await told_once(rig, cut)
+
+
+# -- a reply lost on the way ---------------------------------------------------------------------
+
+
+def lose_first_reply(b: Broker) -> list[int]:
+    """Make the broker's next pipeline run on the server, then fail as a dropped connection."""
+    calls: list[int] = []
+    run = b._scripts.run_pipeline
+
+    async def run_then_drop(redis: Any, pipe: Any) -> list[Any]:
+        result = await run(redis, pipe)
+        calls.append(1)
+        if len(calls) == 1:
+            raise RedisConnectionError("connection lost after the command ran")
+        return result
+
+    b._scripts.run_pipeline = run_then_drop  # type: ignore[method-assign]
+    return calls
+
+
+async def test_a_resume_whose_reply_was_lost_is_still_handed_over(th: Thread) -> None:
+    """The resume ran but its reply was lost: the retry (same token) gets the delivery, not a
+    refusal, so the answer is not reported interrupted without ever reaching the agent."""
+    calls = lose_first_reply(th.b)
+    handed = await th.b.sessions.resume("t1", th.pid, EPOCH, th.grant, "dlv_lost")
+    assert handed.outcome == "handed" and len(calls) == 2
+    assert (await th.session())["grant"] == th.grant.model_dump_json()
+
+
+async def test_a_held_delivery_whose_reply_was_lost_is_still_handed_over(th: Thread) -> None:
+    """The same for a held answer's delivery record."""
+    calls = lose_first_reply(th.b)
+    handed = await th.b.sessions.deliver("t1", th.pid, EPOCH, "dlv_lost")
+    assert handed.outcome == "handed" and len(calls) == 2
+    assert (await th.b.sessions.deliver("t1", th.pid, EPOCH, "dlv_other")).outcome == "already"
