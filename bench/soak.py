@@ -658,6 +658,8 @@ class Soak:
         await self.post(Attempt(t.thread_id, "a", "message", None), {"content": _text(words)})
 
     async def answer(self, t: Thread, prompt_id: str) -> None:
+        """Answer one prompt as people might: after a pause (held or parked by then), through
+        one surface, or two racing, or after a try with an old prompt's id; or cancel it."""
         rng = t.rng
         delay = rng.choice([0, 0, rng.uniform(0, 1), rng.uniform(1, 4), rng.uniform(4, 8)])
         await asyncio.sleep(delay)
