@@ -427,6 +427,15 @@ calls = st.one_of(
     st.tuples(st.just("thread_exists"), ids),
     st.tuples(st.just("items"), ids, st.none() | hostile_text | json_like),
     st.tuples(st.just("deliver"), ids, ids),
+    st.tuples(st.just("active_prompt"), ids),
+    st.tuples(st.just("take_inbox"), ids),
+    st.tuples(st.just("open_prompts"), st.none() | json_like),
+    st.tuples(st.just("entries"), ids, st.just("$") | hostile_text | json_like),
+    st.tuples(st.just("post_resolution"), ids, ids),
+    st.tuples(st.just("enqueue_audit"), ids, ids),
+    st.tuples(st.just("listen"), ids),
+    st.tuples(st.just("post_item_fenced"), ids, items, json_like),
+    st.tuples(st.just("wait_timeout"), st.just("t"), json_like),
 )
 
 
@@ -448,6 +457,32 @@ async def _one_call(broker: Broker, call: tuple[Any, ...]) -> None:
         await broker.items(args[0], after=args[1])
     elif name == "deliver":
         await broker.deliver(args[0], args[1])
+    else:
+        await _other_call(broker, name, args)
+
+
+async def _other_call(broker: Broker, name: str, args: list[Any]) -> None:
+    if name == "active_prompt":
+        await broker.active_prompt(args[0])
+    elif name == "take_inbox":
+        await broker.take_inbox(args[0])
+    elif name == "open_prompts":
+        await broker.open_prompts(args[0])
+    elif name == "entries":
+        await broker.entries(args[0], after=args[1], block_ms=1)
+    elif name == "post_resolution":
+        await broker.post_resolution(args[0], args[1])
+    elif name == "enqueue_audit":
+        await broker.enqueue_audit(args[0], args[1])
+    elif name == "listen":
+        await broker.listen(args[0], lambda _c, _w: None)
+    elif name == "post_item_fenced":
+        await broker.post_item(args[0], args[1], epoch=args[2])
+    elif name == "wait_timeout":
+        p = await broker.active_prompt("t")
+        assert p is not None
+        # Bounded from outside too: `None` or a huge timeout is valid and would wait on.
+        await asyncio.wait_for(broker.wait("t", p.prompt_id, timeout=args[1]), 0.05)
 
 
 async def _fuzz(call: tuple[Any, ...]) -> None:
@@ -464,7 +499,7 @@ async def _fuzz(call: tuple[Any, ...]) -> None:
             assert await snapshot(broker) == before, e
             assert (await broker.active_prompt("t")) == await broker.get_prompt("t", p.prompt_id)
         else:
-            if call[0] in ("get_prompt", "thread_exists", "items", "wait"):
+            if call[0] in ("get_prompt", "thread_exists", "items", "wait", "active_prompt"):
                 assert await snapshot(broker) == before  # reads write nothing
         active = await broker.active_prompt("t")
         if active is not None:  # whatever happened, the active prompt is still answerable
