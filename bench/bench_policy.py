@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tree_sitter_bash
 from tree_sitter import Language, Parser
 
-from tests.test_policy_adversarial import CORPUS, ISSUE, PATHOLOGICAL, guard
+from tests.test_policy_adversarial import ALLOW_LIST, CORPUS, PATHOLOGICAL, guard
 
 PARSER = Parser(Language(tree_sitter_bash.language()))
 
@@ -46,7 +46,7 @@ def timed(action: Callable[[], object], repeat: int) -> list[float]:
 
 def measure(commands: dict[str, str], repeat: int) -> tuple[dict[str, float], dict[str, float]]:
     """The median decision time and the median parse time of each command (seconds)."""
-    g = guard(ISSUE)
+    g = guard(ALLOW_LIST)
     decide: dict[str, float] = {}
     parse: dict[str, float] = {}
     for name, command in commands.items():

@@ -193,7 +193,7 @@ async def test_worker_rules_come_first(fleet: Fleet, person: Broker) -> None:
     assert denied.metadata["rule"] == "w-no-push"
 
 
-ISSUE_POLICY: dict[str, Any] = {
+SMUGGLE_POLICY: dict[str, Any] = {
     "default": "ask",
     "rules": [
         {"id": "git-ok", "effect": "exec", "action": "allow", "command": ["git status*"]},
@@ -218,7 +218,7 @@ async def test_smuggled_commands_never_run_on_a_replica(fleet: Fleet, person: Br
     deny rule it hides from, with a `policy_denied` item; none runs, no one is asked."""
     await fleet.start("r1")
     steps = [bash(command, "ran") for command, _ in SMUGGLED]
-    await start_guarded(person, "t1", script(*steps, {"say": "end"}), ISSUE_POLICY)
+    await start_guarded(person, "t1", script(*steps, {"say": "end"}), SMUGGLE_POLICY)
     items = await turn_ends(person, "t1")
     said = outputs(items)
     assert not [line for line in said if line.startswith("Ran ")]

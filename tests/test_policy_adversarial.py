@@ -42,8 +42,8 @@ def rule(id_: str, effect: str, action: str, **more: Any) -> dict[str, Any]:
     return {"id": id_, "effect": effect, "action": action, **more}
 
 
-#: The policy the issue was found with: one allow, two denies, nothing outside.
-ISSUE: dict[str, Any] = {
+#: An allow list: one allow, two denies, nothing outside, the rest asked.
+ALLOW_LIST: dict[str, Any] = {
     "default": "ask",
     "rules": [
         rule("git-ok", "exec", "allow", command=["git status*"]),
@@ -93,9 +93,9 @@ SHAPES: dict[str, Callable[[Guard, str], GateVerdict]] = {
 
 NEST5 = "git status $(git status $(git status $(git status $(git status $(touch x)))))"
 
-#: (command, the verdict under ISSUE, the rule that decides it).
+#: (command, the verdict under ALLOW_LIST, the rule that decides it).
 CORPUS: list[tuple[str, str, str]] = [
-    # the issue's own findings
+    # first found smuggled past an allow rule
     ("git status <(touch x)", "deny", "no-touch"),
     ("git status >(touch x)", "deny", "no-touch"),
     ("git status 2>(touch x)", "deny", "no-touch"),
@@ -212,7 +212,7 @@ def test_adversarial_command_is_denied_or_asked(
 ) -> None:
     """Each smuggling trick is denied by the rule it hides from, or asked; none is allowed
     (the one allowed entry is a control: a trailing newline is still one line)."""
-    v = SHAPES[shape](guard(ISSUE), command)
+    v = SHAPES[shape](guard(ALLOW_LIST), command)
     assert (v.action, v.rule) == (action, rule_id), v
     if not (shape == "codex-string" and "\0" in command):  # a NUL: no unwrapping, as sent
         assert v.detail == command
@@ -257,7 +257,7 @@ def test_deny_list_sees_what_hides(command: str, rule_id: str) -> None:
 def test_plain_commands_are_still_allowed() -> None:
     """What an allow rule can prove, it allows: plain words, lists, pipes of allowed commands,
     quoting without expansion, redirections to /dev/null or another descriptor."""
-    g = guard(ISSUE)
+    g = guard(ALLOW_LIST)
     for command in [
         "git status",
         "git status --short",
@@ -293,19 +293,19 @@ def test_depth_limit_asks() -> None:
     assert claude(guard(DENY_LIST), nested(MAX_DEPTH)).rule == "no-touch"
     v = claude(guard(DENY_LIST), nested(MAX_DEPTH + 1))
     assert (v.action, v.rule) == ("ask", UNCHECKED)
-    assert claude(guard(ISSUE), nested(MAX_DEPTH + 1)).action == "ask"
+    assert claude(guard(ALLOW_LIST), nested(MAX_DEPTH + 1)).action == "ask"
     scripts = "touch x"
     for _ in range(MAX_DEPTH + 1):
         scripts = "bash -c " + shlex.quote(scripts)
     assert claude(guard(DENY_LIST), scripts).action == "ask"
-    assert claude(guard(ISSUE), scripts).action == "ask"
+    assert claude(guard(ALLOW_LIST), scripts).action == "ask"
 
 
 def test_length_cap_asks() -> None:
     """A command past MAX_COMMAND is not parsed: an allow rule cannot prove it, a deny list
     asks."""
     long = "git status " + "a" * MAX_COMMAND
-    assert (claude(guard(ISSUE), long).action, claude(guard(ISSUE), long).rule) == (
+    assert (claude(guard(ALLOW_LIST), long).action, claude(guard(ALLOW_LIST), long).rule) == (
         "ask",
         "git-ok",
     )
@@ -489,7 +489,7 @@ ALLOW_STAR = {
 def test_a_denied_simple_command_is_never_allowed(line: str) -> None:
     """Any string containing a denied command as one of its simple commands is never allowed,
     whatever wraps it, through either harness; within the depth limit it is denied."""
-    for block in (ALLOW_ALL, ALLOW_STAR, ISSUE):
+    for block in (ALLOW_ALL, ALLOW_STAR, ALLOW_LIST):
         g = guard(block)
         for shape in SHAPES.values():
             v = shape(g, line)
@@ -551,7 +551,7 @@ def test_64_kb_of_each_pathological_shape_is_decided_in_bounded_time(shape: str)
     """64 KB of each shape is decided quickly, and never allowed."""
     command = PATHOLOGICAL[shape]
     assert len(command) >= N - 16
-    for block in (ISSUE, DENY_LIST):
+    for block in (ALLOW_LIST, DENY_LIST):
         g = guard(block)
         started = time.perf_counter()
         v = claude(g, command)
@@ -563,7 +563,7 @@ def test_64_kb_of_each_pathological_shape_is_decided_in_bounded_time(shape: str)
 def test_decision_time_grows_linearly() -> None:
     """Four times the length takes well under sixteen times as long (the old splitter was
     quadratic)."""
-    g = guard(ISSUE)
+    g = guard(ALLOW_LIST)
 
     def took(n: int) -> float:
         command = "git status " + "x=$(a b) " * n + "; touch x"
@@ -591,7 +591,7 @@ async def test_decide_async_runs_long_commands_off_the_loop(
         return evaluate(self, harness, tool, tool_input)
 
     monkeypatch.setattr(Guard, "evaluate", spy)
-    g = guard(ISSUE)
+    g = guard(ALLOW_LIST)
     short = await g.decide_async("claude_code", "Bash", {"command": "git status"})
     long_command = "git status " + "a " * ASYNC_OVER + "; touch x"
     long = await g.decide_async("claude_code", "Bash", {"command": long_command})
@@ -607,7 +607,7 @@ async def test_decide_async_runs_long_commands_off_the_loop(
 
 async def test_loop_keeps_ticking_while_a_long_command_is_decided() -> None:
     """While 64 KB commands are decided, other tasks on the loop still run."""
-    g = guard(ISSUE)
+    g = guard(ALLOW_LIST)
     ticks = 0
     done = asyncio.Event()
 

@@ -311,7 +311,6 @@ _WRAPPERS = frozenset(
         "ltrace", "script",
     }
 )  # fmt: skip
-#: Commands no allow rule proves, whatever their words.
 #: Reserved words: met as a command name, the grammar has misread a compound command
 #: (tree-sitter-bash reads `! if a; then b; fi` as commands `if a`, `then b`, `fi`). The
 #: command after one is tried as a wrapper's is.
@@ -319,6 +318,7 @@ _RESERVED = frozenset(
     {"!", "{", "}", "if", "then", "else", "elif", "fi", "do", "done", "while", "until", "for",
      "case", "esac", "in", "select", "function", "[[", "]]"}
 )  # fmt: skip
+#: Commands no allow rule proves, whatever their words.
 _UNPLAIN = frozenset({"eval", "source", ".", "exec", "alias", "trap", "enable", "builtin"})
 _NETWORK = frozenset(
     {
