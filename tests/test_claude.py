@@ -993,7 +993,9 @@ async def test_sigkilled_replica_takes_its_cli_and_the_command_with_it(
         await new_thread(
             person, fake, "t1", marker="KILL-9", replies=script, work=work, permissions="autonomous"
         )
-        await until(lambda: truthy(marker.exists()), "the command to start", within=SLOW)
+        await until(
+            lambda: truthy("sleep" in started_under(root).values()), "the command", within=SLOW
+        )
         before = started_under(root)
         assert "claude" in before.values() and "sleep" in before.values(), before
         fleet.kill("replica-1", signal.SIGKILL)
