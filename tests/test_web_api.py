@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import fakeredis
 import httpx
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker import Broker, Settings
+from tests.conftest import free_port
 from web.app import create_app
-from web.settings import ApiSettings, Identity
+from web.settings import ApiSettings, Identity, hash_token
 from web.testing import serving, serving_in_thread
 
 APPROVAL = {"question": "Run `make deploy`?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
@@ -457,3 +464,56 @@ def test_fuzz_post_and_query_never_500(prefix: str) -> None:
                 assert c.get("/v1/threads/t").status_code == 200
 
         check()
+
+
+@pytest.mark.parametrize("backend", ["real"])
+async def test_a_real_serve_process(
+    broker: Broker, real_redis_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """`prompt-broker serve` as its own process: an answer POSTed to it reaches the agent's
+    wait; SIGTERM stops it cleanly; the token is in none of its output."""
+    tokens = tmp_path / "tokens.json"
+    tokens.write_bytes(
+        orjson.dumps([{"name": "alice", "token_sha256": hash_token(ALICE), "scopes": ["answer"]}])
+    )
+    port = free_port()
+    env = {
+        **os.environ,
+        "PROMPT_BROKER_KEY_PREFIX": prefix,
+        "PROMPT_BROKER_REDIS_URL": real_redis_url,
+    }
+    env = {k: v for k, v in env.items() if not k.startswith("PROMPT_BROKER_API_")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "workers.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--tokens",
+        str(tokens),
+        "-v",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=auth()) as c:
+            for _ in range(200):
+                with contextlib.suppress(httpx.TransportError):
+                    if (await c.get("/readyz")).status_code == 200:
+                        break
+                await asyncio.sleep(0.05)
+            p = await broker.ask("t", "approval", [APPROVAL])
+            waiting = asyncio.create_task(broker.wait("t", p.prompt_id, timeout=10))
+            r = await c.post(
+                "/v1/threads/t/items", json={"content": [{"type": "text", "text": "approve"}]}
+            )
+            assert r.status_code == 200, r.text
+            assert (await waiting)[0].answer == ["Approve"]
+            assert (await c.get("/v1/prompts")).status_code == 403  # answer only, no read
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = await asyncio.wait_for(proc.communicate(), 15)
+    assert proc.returncode == 0, out.decode()
+    assert ALICE.encode() not in out and b"/v1/threads/t/items" in out  # the access log ran

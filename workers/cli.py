@@ -505,8 +505,29 @@ async def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         log_config=None,  # ours, configured above; the access log shows no token (none in URLs)
         lifespan="on",
     )
-    await uvicorn.Server(config).serve()
+    await _server_class()(config).serve()
     return 0
+
+
+def _server_class() -> type[Any]:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn, stopping on SIGTERM/SIGINT with status 0: uvicorn's own handling raises
+        the signal again once it has shut down, so the process would die of it."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.handle_exit, sig, None)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+    return Server
 
 
 def _token_file(path: str | None) -> Any:
