@@ -186,7 +186,7 @@ def map_prepared(kind: Kind, ms: Sequence[Matcher], p: Prepared) -> list[list[st
 
 
 def map_text(kind: Kind, questions: Sequence[Question], text: str) -> list[Answer]:
-    """Map a plain-text reply to one answer per question, by the spec's table."""
+    """Map a plain-text reply to one answer per question, by the table in docs/protocol.md."""
     mapped = map_prepared(kind, matchers(questions), prepare(text))
     return [Answer(question=q.question, answer=a) for q, a in zip(questions, mapped, strict=True)]
 

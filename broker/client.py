@@ -298,8 +298,14 @@ class Broker:
         except (RedisError, OSError) as e:
             return await self._ask_outcome_unknown(tk, prompt_id, e)
         if status == "fenced":
-            with contextlib.suppress(RedisError, OSError):  # only an index: a sweep rebuilds it
-                await self.redis.zrem(self.keys.open, self.keys.member(thread_id, prompt_id))
+            # Shielded: a turn cancelled right now (its thread lost) must not leave the index
+            # naming a prompt that never existed. `open_prompts` drops such members too.
+            cleanup = asyncio.ensure_future(
+                self.redis.zrem(self.keys.open, self.keys.member(thread_id, prompt_id))
+            )
+            cleanup.add_done_callback(_retrieved)
+            with contextlib.suppress(RedisError, OSError):
+                await asyncio.shield(cleanup)
             raise Fenced(thread_id, epoch or 0, int(sid_or_epoch) if sid_or_epoch else None)
         if generation is not None:
             self._waiter.expect(prompt_id, tk.wake, generation)
@@ -374,7 +380,7 @@ class Broker:
         """Wait for the person's answer and return it; the agent now has it.
 
         Then the delivery is recorded (the audit item waits for that record, so an answer no
-        caller received is never audited). Unfenced, as DESIGN orders it: the answers are handed
+        caller received is never audited). Unfenced: the answers are handed
         over first and the record follows in the background, a round trip later; `settle()`
         waits for it, and `aclose()` does too. Fenced (`epoch`): recorded first, so a replica
         that lost the thread never hands over an answer. With `deliver=False` nothing is
@@ -582,6 +588,7 @@ class Broker:
             tk.wake,
             _epoch(epoch),
             "1" if create else "0",
+            "1" if p.malformed else "0",
         ]
         try:
             reply = await self._scripts.call(self.redis, "route", keys, args)
@@ -598,7 +605,11 @@ class Broker:
             state, active = rest
             raise StaleAnswer(thread_id, p.named, state, active or None)
         if status == "bad":
-            raise BadItem("metadata.answers" if p.structured or p.refusal else "content", rest[0])
+            why = str(rest[0])
+            where, sep, problem = why.partition(": ")
+            if sep and where.startswith("metadata.answers"):
+                raise BadItem(where, problem)
+            raise BadItem("metadata.answers" if p.structured or p.refusal else "content", why)
         if status != "answered":
             return Routed(outcome=status, item_id=item_id)
         _, prompt_id, answers, source, refusal = rest
@@ -796,10 +807,17 @@ class Broker:
                 tk = self.thread(thread_id)
                 self._scripts.queue(pipe, "prompt", [tk.prompt(prompt_id), tk.items], [])
             rows = await self._scripts.run_pipeline(self.redis, pipe)
+            gone = []
             for (thread_id, prompt_id), flat in zip(part, rows, strict=True):
                 h = _pairs(flat)
                 if h.get("state") == "pending":
                     out.append(_codec.prompt_from_hash(thread_id, prompt_id, h))
+                elif not h:
+                    gone.append(self.keys.member(thread_id, prompt_id))
+            if gone:
+                # Members with no record at all (a fenced ask's leftover): an index entry nobody
+                # else would ever remove. The ask pipeline adds a member only after its record.
+                await self.redis.zrem(self.keys.open, *gone)
             if limit is not None and len(out) >= limit:
                 return out[:limit]
         return out
@@ -916,13 +934,24 @@ def _check_prompt(kind: object, questions: object) -> tuple[Kind, list[Question]
 class _CheckedItem:
     """An inbound item, checked and made ready for route.lua."""
 
-    __slots__ = ("author", "body", "is_self", "named", "prepared", "refusal", "structured", "type")
+    __slots__ = (
+        "author",
+        "body",
+        "is_self",
+        "malformed",
+        "named",
+        "prepared",
+        "refusal",
+        "structured",
+        "type",
+    )
 
     def __init__(self, author: str, body: bytes, type_: str, is_self: bool) -> None:
         self.author, self.body, self.type, self.is_self = author, body, type_, is_self
         self.named = ""
         self.structured: bytes | str = ""
         self.refusal = ""
+        self.malformed = False  # a set of the wrong shape: refused even when it would be queued
         self.prepared: bytes | str = ""
 
 
@@ -967,6 +996,7 @@ def _check_answers(checked: _CheckedItem, raw: object, text: str, has_file: bool
             f"expected a list of {{question, answer}} objects, got {type(raw).__name__}",
         )
     entries, refusal = check_structured(raw)
+    checked.malformed = refusal is not None and raw != []
     if entries is not None:
         checked.structured = orjson.dumps(entries)
     checked.refusal = refusal or ""
@@ -1105,3 +1135,9 @@ def _dumps(value: object, field: str) -> bytes:
         return orjson.dumps(value)
     except (TypeError, orjson.JSONEncodeError) as e:
         raise BadItem(field, f"cannot be stored as JSON ({e})") from None
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """A done callback that retrieves the outcome: a background step never logs as unretrieved."""
+    if not task.cancelled():
+        task.exception()

@@ -1,4 +1,4 @@
-"""Wire models: thread items, prompts, questions and answers, exactly as the spec shapes them.
+"""Wire models: thread items, prompts, questions and answers, exactly as the protocol shapes them.
 
 Everything here is a frozen pydantic model. What we own forbids unknown fields, so a misspelt
 `multiselect` is an error rather than a single-select question.

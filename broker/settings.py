@@ -20,7 +20,7 @@ class Settings(BaseModel):
     """Everything configurable. `Settings.from_env()` reads `PROMPT_BROKER_<FIELD>`.
 
     An unknown `PROMPT_BROKER_*` variable is an error, so a misspelt option fails loudly instead
-    of being ignored.
+    of being ignored. `PROMPT_BROKER_API_*` belong to the HTTP server, which checks them itself.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -90,8 +90,8 @@ class Settings(BaseModel):
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for name, value in env.items():
-            if not name.startswith(ENV_PREFIX):
-                continue
+            if not name.startswith(ENV_PREFIX) or name.startswith(ENV_PREFIX + "API_"):
+                continue  # PROMPT_BROKER_API_*: the HTTP server's own (it checks them)
             field = name[len(ENV_PREFIX) :].lower()
             if field not in cls.model_fields:
                 known = ", ".join(ENV_PREFIX + f.upper() for f in cls.model_fields)

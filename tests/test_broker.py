@@ -564,3 +564,48 @@ def test_every_script_is_loaded() -> None:
     files = {p.name.removesuffix(".lua") for p in lua.iterdir() if p.name.endswith(".lua")}
     assert set(NAMES) == files - {"_lib"}
     assert len(NAMES) == len(set(NAMES))
+
+
+def test_settings_leave_the_http_servers_variables_alone() -> None:
+    """`PROMPT_BROKER_API_*` are the HTTP server's (it checks them); any other unknown
+    `PROMPT_BROKER_*` is still an error."""
+    s = Settings.from_env({"PROMPT_BROKER_API_TOKENS": "[]", "PROMPT_BROKER_KEY_PREFIX": "x"})
+    assert s.key_prefix == "x"
+    with pytest.raises(BadItem) as e:
+        Settings.from_env({"PROMPT_BROKER_KEY_PREFX": "x"})
+    assert e.value.field == "PROMPT_BROKER_KEY_PREFX"
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ([1, 2], "metadata.answers[0]"),
+        ([{"answer": "staging"}], "metadata.answers[0].answer"),
+        ([{"answer": ["a"], "question": 3}], "metadata.answers[0].question"),
+    ],
+)
+async def test_malformed_structured_answers_never_queued(
+    broker: Broker, raw: Any, field: str
+) -> None:
+    """With no prompt active, a set of the wrong shape is refused (naming the entry) instead of
+    being queued unchecked for the next turn; nothing is written."""
+    with pytest.raises(BadItem) as e:
+        await broker.post_item("t", text("staging", answers=raw))
+    assert e.value.field == field
+    assert await stream_len(broker, "t") == 0
+    assert await broker.take_inbox("t") == []
+
+
+async def test_empty_structured_answers_may_be_queued(broker: Broker) -> None:
+    """An empty set is well shaped: with no prompt active the message is queued as usual."""
+    assert (await broker.post_item("t", text("hello", answers=[]))).outcome == "queued"
+
+
+async def test_open_prompts_drops_index_members_with_no_record(broker: Broker) -> None:
+    """A member naming a prompt that never existed (a fenced ask's leftover) is dropped."""
+    p = await broker.ask("t", "approval", [APPROVAL])
+    ghost = broker.keys.member("u", "prm_01M8RJ7DTBVQ04A2EVKNY8WKGH")
+    await broker.redis.zadd(broker.keys.open, {ghost: 1})
+    assert [o.prompt_id for o in await broker.open_prompts()] == [p.prompt_id]
+    assert await broker.redis.zscore(broker.keys.open, ghost) is None
+    assert await broker.redis.zscore(broker.keys.open, broker.keys.member("t", p.prompt_id))

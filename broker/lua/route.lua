@@ -11,6 +11,8 @@
 -- ARGV[10] the thread's key base   ARGV[11] wake channel
 -- ARGV[12] lease epoch, or '' when the poster holds none (people, surfaces)
 -- ARGV[13] '1' to start the thread if it does not exist yet, '0' to refuse instead
+-- ARGV[14] '1' when metadata.answers is malformed (ARGV[8] says how): with a prompt active the
+--          text is mapped instead; with none, the item is refused rather than queued carrying it
 --
 -- Returns one of
 --   {'posted', item id}                      a 'self' item, on the thread only
@@ -118,6 +120,7 @@ local prompt = active and (base .. 'prompt:' .. active)
 local kind, sid, state
 if prompt then kind, sid, state = unpack(redis.call('HMGET', prompt, 'kind', 'sid', 'state')) end
 if state ~= 'pending' then
+  if ARGV[14] == '1' then return {'bad', ARGV[8]} end
   if ARGV[9] == '' then return {'bad', 'no prompt is active to answer, and the item has no content to queue'} end
   if active then redis.call('DEL', KEYS[2]) end  -- a dangling lock: the record decides
   local sid = add_item()
