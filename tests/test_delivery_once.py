@@ -666,3 +666,43 @@ async def test_a_held_delivery_whose_reply_was_lost_is_still_handed_over(th: Thr
     handed = await th.b.sessions.deliver("t1", th.pid, EPOCH, "dlv_lost")
     assert handed.outcome == "handed" and len(calls) == 2
     assert (await th.b.sessions.deliver("t1", th.pid, EPOCH, "dlv_other")).outcome == "already"
+
+
+@pytest.mark.real_redis
+async def test_sigkill_during_a_held_wait_then_cancelled(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """SIGKILL during a held wait, the prompt cancelled before anyone adopts the thread: the
+    adopter reports the cut-off turn once (nothing was handed over), and the next turn is told."""
+    marker = tmp_path / "c1.marker"
+    async with running_fleet(server, tmp_path, workers=2) as rig:
+        b = rig.b
+        await b.sessions.create("c1", "scripted", "approval", marker_script("c1", marker))
+        await b.post_item("c1", text("Please go ahead."))
+
+        async def holding() -> str | None:
+            s = await b.sessions.get("c1")
+            ok = s is not None and s.status == "running" and s.waiting is not None
+            return s.owner if ok and s is not None else None
+
+        holder = await crash_until(holding, 20, "the held wait")
+        proc = rig.fleet.replica(holder).proc
+        assert proc is not None
+        rig.fleet.kill(holder, signal.SIGKILL)
+        await asyncio.to_thread(proc.wait, 5)
+        assert await b.cancel("c1", "changed my mind") is not None
+
+        async def told() -> list[Item] | None:
+            found = [i for i in await b.items("c1") if i.metadata.get("interrupted")]
+            s = await b.sessions.get("c1")
+            return found if found and s is not None and s.status == "idle" else None
+
+        (item,) = await crash_until(told, 20, "the interruption item")
+        assert item.text.startswith(INTERRUPTED) and "It had been handed" not in item.text
+        await asyncio.sleep(1.0)
+        assert len([i for i in await b.items("c1") if i.metadata.get("interrupted")]) == 1
+        assert marks(marker) == 0
+        await b.post_item("c1", text("again, please"))
+        await crash_until(lambda: b.active_prompt("c1"), 20, "the next turn's question")
+        lines = outputs(await b.items("c1"))
+        assert any(line.startswith("My previous turn was interrupted") for line in lines)

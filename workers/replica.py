@@ -374,6 +374,11 @@ class Replica:
                 return True
             # Handed over before, to a turn that was cut off: tell, never replay.
             await self._interrupted(t, session, waited=prompt)
+        elif session.status == "running":
+            # A held wait whose turn was cut off, its prompt since cancelled (or gone): the
+            # agent will never get an answer, and its turn did not end. Tell that too.
+            await self._update(t, wait=None)
+            await self._interrupted(t, session, waited=None)
         else:
             await self._update(t, status="idle", wait=None)
         return False
