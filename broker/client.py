@@ -22,7 +22,7 @@ from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from ulid import ULID
 
-from broker import _codec
+from broker import _codec, events
 from broker._scripts import Scripts
 from broker._waiter import Waiter, Wake
 from broker.answers import check_structured, matchers, prepare
@@ -293,7 +293,12 @@ class Broker:
                 ],
             )
             pipe.zadd(self.keys.open, {self.keys.member(thread_id, prompt_id): ULID().milliseconds})
-            (status, sid_or_epoch, *rest), _ = await self._scripts.run_pipeline(self.redis, pipe)
+            # Tells live surfaces to look (a fenced ask leaves one for a prompt that never
+            # existed: a reader refetches and finds nothing).
+            events.queue_event(
+                pipe, self.keys, events.OPENED, thread_id, prompt_id, kind=checked_kind
+            )
+            (status, sid_or_epoch, *rest), _, _ = await self._scripts.run_pipeline(self.redis, pipe)
             superseded = rest[0] if rest else ""  # a fenced reply carries no third value
         except (RedisError, OSError) as e:
             return await self._ask_outcome_unknown(tk, prompt_id, e)
@@ -311,7 +316,7 @@ class Broker:
             self._waiter.expect(prompt_id, tk.wake, generation)
         if superseded:
             try:
-                await self._after_cancel(thread_id, superseded)
+                await self._after_cancel(thread_id, superseded, "superseded")
             except (RedisError, OSError) as e:
                 # The new prompt is asked; only the old one's indexes and audit job are missing,
                 # and the reconcile sweep finds a cancelled record without them.
@@ -613,6 +618,23 @@ class Broker:
         if status != "answered":
             return Routed(outcome=status, item_id=item_id)
         _, prompt_id, answers, source, refusal = rest
+        try:
+            await events.append_event(
+                self.redis,
+                self.keys,
+                events.ANSWERED,
+                thread_id,
+                prompt_id,
+                source=source,
+                answered_by=p.author,
+            )
+        except (RedisError, OSError) as e:
+            # Only a notice (route.lua cannot write it: another slot); pages also poll, and
+            # the answer itself is committed and its bell rung.
+            logger.warning(
+                "prompt.event_lost",
+                extra={"thread_id": thread_id, "prompt_id": prompt_id, "error": repr(e)},
+            )
         logger.info(
             "prompt.answered",
             extra={"thread_id": thread_id, "prompt_id": prompt_id, "source": source},
@@ -703,7 +725,7 @@ class Broker:
         if status == "none":
             return None
         try:
-            await self._after_cancel(thread_id, value)
+            await self._after_cancel(thread_id, value, reason)
         except (RedisError, OSError) as e:
             # The prompt is cancelled (its waiters heard it); only its indexes and audit job
             # are missing, and the reconcile sweep finds a cancelled record without them.
@@ -716,9 +738,10 @@ class Broker:
         )
         return await self.get_prompt(thread_id, value)
 
-    async def _after_cancel(self, thread_id: str, prompt_id: str) -> None:
+    async def _after_cancel(self, thread_id: str, prompt_id: str, reason: str = "") -> None:
         pipe = self.redis.pipeline(transaction=False)
         self._queue_resolved(pipe, thread_id, prompt_id)
+        events.queue_event(pipe, self.keys, events.CANCELLED, thread_id, prompt_id, reason=reason)
         await self._scripts.run_pipeline(self.redis, pipe)
 
     # -- reading -----------------------------------------------------------------------------

@@ -609,3 +609,26 @@ async def test_open_prompts_drops_index_members_with_no_record(broker: Broker) -
     assert [o.prompt_id for o in await broker.open_prompts()] == [p.prompt_id]
     assert await broker.redis.zscore(broker.keys.open, ghost) is None
     assert await broker.redis.zscore(broker.keys.open, broker.keys.member("t", p.prompt_id))
+
+
+async def test_prompt_events_are_written(broker: Broker) -> None:
+    """Asked, answered, cancelled and superseded prompts each leave an event for live surfaces."""
+    from broker import events
+
+    a = await broker.ask("t", "approval", [APPROVAL])
+    await broker.post_item("t", text("yes"))
+    b = await broker.ask("t", "approval", [APPROVAL])
+    c = await broker.ask("t", "approval", [APPROVAL])  # supersedes b
+    await broker.cancel("t", "the run ended")
+    entries = await broker.redis.xrange(events.event_key(broker.keys))
+    seen = [(f["event"], f["prompt"]) for _, f in entries]
+    assert seen == [
+        (events.OPENED, a.prompt_id),
+        (events.ANSWERED, a.prompt_id),
+        (events.OPENED, b.prompt_id),
+        (events.OPENED, c.prompt_id),
+        (events.CANCELLED, b.prompt_id),
+        (events.CANCELLED, c.prompt_id),
+    ]
+    reasons = [f.get("data") for _, f in entries if f["event"] == events.CANCELLED]
+    assert "superseded" in reasons[0] and "the run ended" in reasons[1]
