@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 def sources(into: Path) -> Path:
     """A copy of what a build reads (a build writes egg-info and build/ beside it)."""
-    for name in ("broker", "workers"):
+    for name in ("broker", "workers", "web"):
         shutil.copytree(ROOT / name, into / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, into / name)
@@ -61,6 +61,8 @@ def test_wheel_builds_without_setuptools_warnings(tmp_path: Path) -> None:
     lua = {p.name for p in (ROOT / "broker" / "lua").glob("*.lua")}
     assert {n.rsplit("/", 1)[1] for n in names if n.startswith("broker/lua/")} == lua
     assert "License-Expression: MIT" in metadata
+    static = {p.name for p in (ROOT / "web" / "static").glob("*") if p.is_file()}
+    assert {n.rsplit("/", 1)[1] for n in names if n.startswith("web/static/")} == static
 
 
 def test_editable_install_without_setuptools_warnings(tmp_path: Path) -> None:
