@@ -12,7 +12,6 @@ import httpx
 import orjson
 import pytest
 
-import broker.client
 from broker import Broker, events
 from web import sse
 from web.app import create_app
@@ -192,10 +191,6 @@ async def test_the_log_is_capped(broker: Broker) -> None:
     assert not await events.still_held(broker.redis, broker.keys, "0-0")
 
 
-_WIRED = hasattr(broker.client, "events")
-
-
-@pytest.mark.skipif(not _WIRED, reason="the Broker does not write prompt events yet")
 async def test_the_broker_writes_events_whoever_acts(url: str, broker: Broker) -> None:
     """Asked, answered by the library (as the CLI does) and cancelled: each reaches an open
     stream within a second."""
