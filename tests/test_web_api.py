@@ -467,11 +467,13 @@ def test_fuzz_post_and_query_never_500(prefix: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["real"])
+@pytest.mark.parametrize("given", ["flag", "env"])
 async def test_a_real_serve_process(
-    broker: Broker, real_redis_url: str, prefix: str, tmp_path: Path
+    broker: Broker, real_redis_url: str, prefix: str, tmp_path: Path, given: str
 ) -> None:
-    """`prompt-broker serve` as its own process: an answer POSTed to it reaches the agent's
-    wait; SIGTERM stops it cleanly; the token is in none of its output."""
+    """`prompt-broker serve` as its own process, tokens from --tokens or the environment: an
+    answer POSTed to it reaches the agent's wait; SIGTERM stops it cleanly (status 0); the
+    token is in none of its output."""
     tokens = tmp_path / "tokens.json"
     tokens.write_bytes(
         orjson.dumps([{"name": "alice", "token_sha256": hash_token(ALICE), "scopes": ["answer"]}])
@@ -483,6 +485,10 @@ async def test_a_real_serve_process(
         "PROMPT_BROKER_REDIS_URL": real_redis_url,
     }
     env = {k: v for k, v in env.items() if not k.startswith("PROMPT_BROKER_API_")}
+    flags = ["--tokens", str(tokens)]
+    if given == "env":
+        env["PROMPT_BROKER_API_TOKENS"] = str(tokens)
+        flags = []
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -490,8 +496,7 @@ async def test_a_real_serve_process(
         "serve",
         "--port",
         str(port),
-        "--tokens",
-        str(tokens),
+        *flags,
         "-v",
         env=env,
         stdout=asyncio.subprocess.PIPE,
