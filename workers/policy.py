@@ -332,6 +332,7 @@ _GIT_VALUED = frozenset(
 )
 _FIND_EXEC = frozenset({"-exec", "-execdir", "-ok", "-okdir"})
 _MOVES = frozenset({"cd", "pushd", "popd"})
+_SCRIPT_TAILS = frozenset({"watch", "ssh"})
 _GLOBBY = re.compile(r"[*?\[{]")
 _ANSI = re.compile(
     r"\\(x[0-9a-fA-F]{1,2}|u[0-9a-fA-F]{1,4}|U[0-9a-fA-F]{1,8}|[0-7]{1,3}|c.|.)", re.S
@@ -597,7 +598,9 @@ def _shell(
 def _successors(argv: list[Word], s: Script) -> list[list[Word]]:
     """The commands a command runs with its own words: behind a wrapper, git's, find's."""
     head = posixpath.basename(argv[0][0]) if argv[0][1] else ""
-    wraps = head in _WRAPPERS or argv[0][0] in _RESERVED
+    # An assignment the grammar took for a name (`_= cmd`: tree-sitter-bash reads `_=` as one)
+    # runs what follows, as a wrapper does.
+    wraps = head in _WRAPPERS or argv[0][0] in _RESERVED or bool(_ASSIGNMENT.match(argv[0][0]))
     if wraps and not (head == "command" and any(w in ("-v", "-V") for w, _ in argv)):
         return [argv[i:] for i in range(1, min(len(argv), MAX_WRAPPED + 1))]
     if head == "git":
@@ -628,19 +631,34 @@ def _variant(
     if head and head != name:
         bare = " ".join([head, *words[1:]])
         s.forms.update((bare, bare + " "))
+    _scripts_run(argv, site, nest, s, pending)
+    if head in _MOVES:
+        s.moved = True
+    if head in _NETWORK or (head == "git" and len(words) > 1 and words[1] in _GIT_NETWORK):
+        s.network.append(joined)
+
+
+def _scripts_run(
+    argv: list[Word], site: Site | None, nest: int, s: Script, pending: list[tuple[str, int]]
+) -> None:
+    """The scripts a command runs from its words: a shell's, su's, trap's, watch's and ssh's,
+    eval's."""
+    head = posixpath.basename(argv[0][0])
     if head in _SHELLS:
         _shell(argv, site, nest, s, pending)
     elif head == "su":  # `su [-] [user] -c script`, the script anywhere after the options
         scripts = [argv[i + 1] for i, (w, _) in enumerate(argv[:-1]) if w in ("-c", "--command")]
         for script in scripts:
             _nested(script, nest, s, pending)
+    elif head == "trap" and len(argv) > 1:  # its first word runs later, as a script
+        _nested(argv[1], nest, s, pending)
+    elif head in _SCRIPT_TAILS:  # the words after the options are a (remote) shell's script
+        for i in range(1, min(len(argv), MAX_WRAPPED + 1)):
+            rest = argv[i:]
+            _nested((" ".join(w for w, _ in rest), all(lit for _, lit in rest)), nest, s, pending)
     elif head == "eval":
-        literal_args = all(lit for _, lit in argv[1:])
-        _nested((" ".join(words[1:]), literal_args), nest, s, pending)
-    elif head in _MOVES:
-        s.moved = True
-    if head in _NETWORK or (head == "git" and len(words) > 1 and words[1] in _GIT_NETWORK):
-        s.network.append(joined)
+        rest = argv[1:]
+        _nested((" ".join(w for w, _ in rest), all(lit for _, lit in rest)), nest, s, pending)
 
 
 def _expand(
@@ -662,12 +680,14 @@ def _expand(
 def _command(site: Site, nest: int, s: Script, pending: list[tuple[str, int]]) -> None:
     """A simple command: its forms for deny rules, and whether an allow rule can prove it."""
     text = _text(site[0])
+    if not text:  # a command the grammar supplied as missing (`a |`): a parse error, hidden
+        return
     s.commands.append(text)
     s.forms.update((text, text + " "))
     argv = _words(*site)
     if not argv:
         return
-    if not _SAFE.fullmatch(text) or argv[0][0] in _UNPLAIN:
+    if not _SAFE.fullmatch(text) or argv[0][0] in _UNPLAIN or _ASSIGNMENT.match(argv[0][0]):
         s.plain = False
     _expand(argv, site, nest, s, pending)
 
