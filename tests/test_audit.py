@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import arq.worker
 import pytest
 from arq.connections import ArqRedis
+from redis.exceptions import WatchError
 
-from broker import Broker, PromptCancelled
-from tests.conftest import BrokerFactory, ClientFactory
-from tests.helpers import text
+from broker import Broker, PromptCancelled, Settings
+from tests.conftest import BrokerFactory, ClientFactory, delete_prefix
+from tests.helpers import text, until
 from workers import audit
 
 APPROVAL = {"question": "Run `rm -rf build`?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
@@ -147,3 +149,41 @@ async def test_rebuild_drops_index_entries_with_no_record(broker: Broker) -> Non
     assert counts["orphans"] == 3
     assert await broker.redis.zrange(broker.keys.open, 0, -1) == [f"a/{kept.prompt_id}"]
     assert await broker.redis.zrange(broker.keys.audit, 0, -1) == []
+
+
+@pytest.mark.real_redis
+async def test_serve_rides_out_a_watch_error(
+    real_redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection lost under arq's WATCH stops its worker with a WatchError: `serve` takes it as
+    a disconnect and starts another worker, which posts the resolution."""
+    runs: list[int] = []
+    run = audit.AuditWorker.async_run
+
+    async def lose_the_watch_once(self: audit.AuditWorker) -> None:
+        runs.append(1)
+        if len(runs) == 1:
+            raise WatchError("A ConnectionError occurred on while watching one or more keys")
+        await run(self)
+
+    monkeypatch.setattr(audit.AuditWorker, "async_run", lose_the_watch_once)
+    settings = Settings(redis_url=real_redis_url, key_prefix=prefix)
+    broker = Broker.from_url(real_redis_url, settings)
+    serving = asyncio.create_task(audit.serve(settings))
+    try:
+        p = await broker.ask("t", "approval", [APPROVAL])
+        await broker.post_item("t", text("yes"))
+        await broker.wait("t", p.prompt_id, timeout=5)
+        await broker.settle()
+
+        async def posted() -> bool:
+            return bool(resolutions(await broker.items("t"), p.prompt_id))
+
+        await until(posted, "the resolution, posted by the second worker", 20)
+        assert len(runs) == 2 and not serving.done()
+    finally:
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+        await delete_prefix(broker.redis, prefix)
+        await broker.aclose()

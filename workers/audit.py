@@ -250,18 +250,65 @@ def __getattr__(name: str) -> Any:
 
 
 async def serve(settings: Settings) -> None:
-    """The audit worker until SIGTERM or SIGINT (`prompt-broker audit`)."""
-    worker = AuditWorker(**worker_settings(settings) | {"handle_signals": False})
+    """The audit worker until SIGTERM or SIGINT (`prompt-broker audit`).
+
+    It rides out a Redis outage: the retries in `_redis_settings` cover single commands, but
+    arq's job pick-up runs under WATCH, and a connection lost there comes out of the worker as a
+    `WatchError` that stops it. Any Redis or OS error out of the worker is taken as a
+    disconnect: the worker is closed and a new one started, backing off to 1 s.
+    """
     loop = asyncio.get_running_loop()
-    task = asyncio.ensure_future(worker.async_run())
+    stop = asyncio.Event()
+    running: list[asyncio.Future[Any]] = []
+
+    def on_signal() -> None:
+        stop.set()
+        for task in running:
+            task.cancel()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, task.cancel)
+        loop.add_signal_handler(sig, on_signal)
+    delay = _RESTART_FIRST
+    try:
+        while not stop.is_set():
+            if await _run_worker(settings, running, stop):
+                return
+            logger.warning("audit.restarting", extra={"retry_in": delay})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            delay = min(delay * 2, _RESTART_MAX)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+#: Backoff between audit worker restarts after a Redis error, in seconds.
+_RESTART_FIRST = 0.1
+_RESTART_MAX = 1.0
+
+
+async def _run_worker(
+    settings: Settings, running: list[asyncio.Future[Any]], stop: asyncio.Event
+) -> bool:
+    """Run one arq worker until it stops: True when it was asked to (or ended), False when a
+    Redis or OS error stopped it (the caller starts another)."""
+    worker = AuditWorker(**worker_settings(settings) | {"handle_signals": False})
+    task = asyncio.ensure_future(worker.async_run())
+    running[:] = [task]
     try:
         await task
+        return True
     except asyncio.CancelledError:
-        pass
+        if stop.is_set():
+            return True
+        raise
+    except (RedisError, OSError) as e:
+        logger.warning("audit.disconnected", extra={"error": repr(e)})
+        return False
     finally:
-        with contextlib.suppress(RedisError, OSError):
+        running.clear()
+        # arq's close can raise what its cancelled job tasks raised; none of it matters now.
+        with contextlib.suppress(RedisError, OSError, asyncio.CancelledError):
             await worker.close()
 
 
