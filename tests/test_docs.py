@@ -22,6 +22,7 @@ import redis
 import broker
 from broker import Settings
 from broker.cli import COMMANDS
+from broker.events import event_key
 from broker.keys import Keys
 from workers.cli import RUNTIME
 
@@ -30,6 +31,7 @@ README = (ROOT / "README.md").read_text()
 DOCS = ROOT / "docs"
 OPERATIONS = (DOCS / "operations.md").read_text()
 PROTOCOL = (DOCS / "protocol.md").read_text()
+HTTP = (DOCS / "http.md").read_text()
 ARCHITECTURE = (DOCS / "architecture.md").read_text()
 MARKDOWN = [*sorted(ROOT.glob("*.md")), *sorted(DOCS.rglob("*.md"))]
 CODE_DIRS = tuple(d for d in ("broker", "workers", "web", "tests", "bench") if (ROOT / d).is_dir())
@@ -56,6 +58,17 @@ def test_operations_lists_every_setting_with_its_default() -> None:
         row = re.search(rf"\| `PROMPT_BROKER_{name.upper()}` \| `([^`]*)` \|", OPERATIONS)
         assert row is not None, f"PROMPT_BROKER_{name.upper()} is not in docs/operations.md"
         assert row.group(1) == str(field.default), name
+
+
+def test_http_lists_every_api_setting_with_its_default() -> None:
+    """Each of the HTTP server's settings is in docs/http.md's table, with its real default."""
+    from web.settings import ApiSettings
+
+    shown = {"tokens": "`[]`", "session_secret": "(random per process)"}
+    for name, field in ApiSettings.model_fields.items():
+        row = re.search(rf"\| `PROMPT_BROKER_API_{name.upper()}` \| ([^|]*) \|", HTTP)
+        assert row is not None, f"PROMPT_BROKER_API_{name.upper()} is not in docs/http.md"
+        assert row.group(1) == shown.get(name, f"`{field.default}`"), name
 
 
 def test_operations_lists_every_command() -> None:
@@ -91,6 +104,7 @@ def test_architecture_lists_every_key() -> None:
         keys.replicas,
         keys.audit_queue,
         "arq:job:" + keys.audit_job_id("T", "<prompt_id>"),
+        event_key(keys),
     ]
     for name in names:
         assert f"| `{name}` |" in ARCHITECTURE, f"{name} is not in docs/architecture.md"
