@@ -158,10 +158,9 @@ class Api:
         ):
             raise bad("cursor", "not a cursor this server gave out")
         prompts, next_cursor = await self._open_page(caller, limit, after)
-        sessions: dict[str, Session | None] = {}
-        for p in prompts:
-            if p.thread_id not in sessions:
-                sessions[p.thread_id] = await self._session(p.thread_id)
+        threads = sorted({p.thread_id for p in prompts})
+        got = await asyncio.gather(*(self._session(t) for t in threads))
+        sessions = dict(zip(threads, got, strict=True))
         out = [await self.prompt_json(p, sessions[p.thread_id], lookup=False) for p in prompts]
         return json_response({"prompts": out, "next_cursor": next_cursor})
 
@@ -177,20 +176,22 @@ class Api:
         start = after[0] if after else "-inf"
         found: list[Prompt] = []
         offset = 0
+        size = limit + 1  # most entries are pending: read about one page, then more in bulk
         while True:
             batch = await self.broker.redis.zrangebyscore(
-                self.broker.keys.open, start, "+inf", start=offset, num=200, withscores=True
+                self.broker.keys.open, start, "+inf", start=offset, num=size, withscores=True
             )
             offset += len(batch)
             for member, score, prompt in await self._pending(caller, batch, after):
                 found.append(prompt)
                 if len(found) == limit:
                     return found, _encode_cursor([score, member])
-            if len(batch) < 200:
+            if len(batch) < size:
                 return found, None
             if offset >= _SCAN_BUDGET:
                 member, score = batch[-1]
                 return found, _encode_cursor([int(score), member])
+            size = 200
 
     async def _pending(
         self, caller: Caller, batch: list[tuple[str, float]], after: list[Any] | None
