@@ -395,6 +395,8 @@ async def test_a_denial_carries_its_message(
     p = await person.ask("deny", "approval", [_approval("terraform destroy")])
     page = await open_inbox(browser, base_url, width=360)
     await entry(page, "deny").click()
+    # 360 px wide: nothing runs off the side
+    assert await page.evaluate("() => document.documentElement.scrollWidth") <= 360
     await page.get_by_label("Message with a denial (optional)").fill("not on a Friday")
     await page.get_by_role("button", name="Deny").click()
     await expect(page.locator("#note")).to_contain_text("Sent.")
@@ -403,3 +405,36 @@ async def test_a_denial_carries_its_message(
     assert got.answers[0].answer == ["Deny", "not on a Friday"]
     [item] = [i for i in await person.items("deny") if i.metadata.get("answers")]
     assert item.text == "not on a Friday"
+
+
+async def test_without_the_stream_the_page_polls_and_says_so(
+    browser: Browser, base_url: str, person: Broker
+) -> None:
+    """The event stream cut: the state says so, and the fallback poll still shows new prompts."""
+    page = await open_inbox(browser, base_url)
+    await page.route("**/v1/events", lambda route: route.abort())
+    await page.evaluate("() => window.dispatchEvent(new Event('online'))")  # reconnect, refused
+    await expect(page.locator("#conn")).to_have_attribute("data-state", "polling")
+    await expect(page.locator("#conn")).to_contain_text("Reconnecting")
+    await person.ask("late", "approval", [_approval("make test")])
+    await expect(entry(page, "late")).to_have_count(1, timeout=6000)  # one 3 s poll, and slack
+    await page.unroute("**/v1/events")
+    await page.evaluate("() => window.dispatchEvent(new Event('online'))")
+    await expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+
+
+async def test_a_cancelled_prompt_locks_with_its_reason(
+    browser: Browser, base_url: str, person: Broker
+) -> None:
+    """A prompt cancelled while on screen is locked, with the reason it was cancelled."""
+    await person.ask("stop", "text", [{"question": "What next?"}])
+    page = await open_inbox(browser, base_url)
+    await entry(page, "stop").click()
+    await page.get_by_label("Your reply").fill("keep going")
+    await person.cancel("stop", reason="the turn was stopped")
+    note = page.locator("#note")
+    await expect(note).to_contain_text("Cancelled.", timeout=2000)
+    await expect(note).to_contain_text("the turn was stopped")
+    await expect(page.get_by_label("Your reply")).to_have_value("keep going")
+    await expect(page.get_by_role("button", name="Send reply")).to_be_disabled()
+    await expect(page).to_have_title("prompt-broker inbox")
