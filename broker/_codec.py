@@ -64,7 +64,13 @@ def resolved_body(prompt: Prompt) -> bytes:
         reason = prompt.reason or ""
         payload = CancelledPayload(prompt_id=prompt.prompt_id, kind=prompt.kind, reason=reason)
         text = cancelled_content(reason)
-    return body(text, ResolvedMetadata(prompt=payload).model_dump())
+    metadata: dict[str, Any] = ResolvedMetadata(prompt=payload).model_dump()
+    # Who answered and through which surface sit beside `prompt`, which keeps the protocol's shape.
+    if prompt.state == "answered" and prompt.answered_by:
+        metadata["answered_by"] = prompt.answered_by
+    if prompt.state == "answered" and prompt.answered_via:
+        metadata["surface"] = prompt.answered_via
+    return body(text, metadata)
 
 
 def item_from_entry(sid: str, fields: Mapping[str, str]) -> Item:
@@ -111,6 +117,8 @@ def prompt_from_hash(thread_id: str, prompt_id: str, h: Mapping[str, str]) -> Pr
         source=h.get("source"),
         answer_item_id=h.get("answer_item"),
         answer_text=h.get("text"),
+        answered_by=h.get("by"),
+        answered_via=h.get("via"),
         resolved_at=_opt_ms(h.get("resolved")),
         delivered_at=_opt_ms(h.get("delivered")),
         audit_item_id=h.get("audit_item"),

@@ -83,6 +83,7 @@ _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 #: Redis answered, but will not write: over `maxmemory`, or a replica that became read-only.
 _REFUSING = (OutOfMemoryError, ReadOnlyError)
 _STREAM_ID = re.compile(r"[0-9]{1,20}(-[0-9]{1,20})?")
+_SURFACE = re.compile(r"[a-z0-9][a-z0-9._-]{0,31}")
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -563,6 +564,7 @@ class Broker:
         *,
         epoch: int | None = None,
         create: bool = True,
+        surface: str | None = None,
     ) -> Routed:
         """Add an item to the thread and route it, atomically: it answers the active prompt, or
         is queued for the next turn, or (naming a prompt that is not active) raises
@@ -573,10 +575,14 @@ class Broker:
         With `create=False`, a thread that does not exist yet (no items, no session) raises
         `ThreadNotFound` instead of being started. A closed thread raises `ThreadClosed`.
         Neither writes anything; both are decided in the same atomic step as the post.
+        `surface` names what the item came through (`"http"`, `"cli"`, ...): an answer records
+        it, with the item's author, on the prompt (`answered_via`, `answered_by`) and the audit
+        item (`metadata.surface`, `metadata.answered_by`).
         """
         self._check_open()
         tk = self.thread(thread_id)
         p = _check_item(item, self.identity)
+        _check_surface(surface)
         item_id = _new_id("itm")
         keys = [tk.items, tk.active, tk.inbox, tk.session]
         args = [
@@ -594,6 +600,7 @@ class Broker:
             _epoch(epoch),
             "1" if create else "0",
             "1" if p.malformed else "0",
+            surface or "",
         ]
         try:
             reply = await self._scripts.call(self.redis, "route", keys, args)
@@ -1164,3 +1171,8 @@ def _retrieved(task: asyncio.Future[Any]) -> None:
     """A done callback that retrieves the outcome: a background step never logs as unretrieved."""
     if not task.cancelled():
         task.exception()
+
+
+def _check_surface(surface: object) -> None:
+    if surface is not None and (not isinstance(surface, str) or not _SURFACE.fullmatch(surface)):
+        raise BadItem("surface", f"{surface!r} is not a surface name (1-32 of a-z 0-9 . _ -)")

@@ -148,6 +148,8 @@ class Prompt(BaseModel):
     source: Literal["structured", "text"] | None = None
     answer_item_id: str | None = None
     answer_text: str | None = None  # the person's words, when the answer was mapped from text
+    answered_by: str | None = None  # the answer item's author
+    answered_via: str | None = None  # the surface it came through, when the poster named one
     resolved_at: datetime | None = None
     delivered_at: datetime | None = None
     audit_item_id: str | None = None

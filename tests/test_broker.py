@@ -632,3 +632,29 @@ async def test_prompt_events_are_written(broker: Broker) -> None:
     ]
     reasons = [f.get("data") for _, f in entries if f["event"] == events.CANCELLED]
     assert "superseded" in reasons[0] and "the run ended" in reasons[1]
+
+
+async def test_answer_records_who_and_through_which_surface(broker: Broker) -> None:
+    """The prompt and its audit item say who answered and, when the poster named it, through
+    which surface; `metadata.prompt` keeps the protocol's shape."""
+    p = await broker.ask("t", "approval", [APPROVAL])
+    await broker.post_item("t", {**text("yes"), "author": "alice"}, surface="http")
+    answers = await broker.wait("t", p.prompt_id, timeout=5)
+    assert answers[0].answer == ["Approve"]
+    await broker.settle()
+    record = await broker.get_prompt("t", p.prompt_id)
+    assert (record.answered_by, record.answered_via) == ("alice", "http")
+    item_id = await broker.post_resolution("t", p.prompt_id)
+    [audit] = [i for i in await broker.items("t") if i.id == item_id]
+    assert audit.metadata["answered_by"] == "alice" and audit.metadata["surface"] == "http"
+    assert set(audit.metadata["prompt"]) == {"prompt_id", "kind", "prompt_state", "answers"}
+
+
+async def test_surface_is_optional_and_checked(broker: Broker) -> None:
+    p = await broker.ask("t", "approval", [APPROVAL])
+    with pytest.raises(BadItem) as e:
+        await broker.post_item("t", text("yes"), surface="Not A Surface!")
+    assert e.value.field == "surface"
+    await broker.post_item("t", text("yes"))
+    record = await broker.get_prompt("t", p.prompt_id)
+    assert (record.answered_by, record.answered_via) == ("user", None)

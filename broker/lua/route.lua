@@ -13,6 +13,8 @@
 -- ARGV[13] '1' to start the thread if it does not exist yet, '0' to refuse instead
 -- ARGV[14] '1' when metadata.answers is malformed (ARGV[8] says how): with a prompt active the
 --          text is mapped instead; with none, the item is refused rather than queued carrying it
+-- ARGV[15] the surface the item came through ('http', 'cli', ...), or '': kept as `via` on the
+--          prompt it answers, beside its author as `by`
 --
 -- Returns one of
 --   {'posted', item id}                      a 'self' item, on the thread only
@@ -172,7 +174,8 @@ end
 local encoded = json_answers(questions, answers)
 add_item()
 redis.call('HSET', prompt, 'state', 'answered', 'answers', encoded, 'source', source,
-  'answer_item', ARGV[1], 'resolved', now_ms())
+  'answer_item', ARGV[1], 'resolved', now_ms(), 'by', ARGV[2])
+if ARGV[15] ~= nil and ARGV[15] ~= '' then redis.call('HSET', prompt, 'via', ARGV[15]) end
 if raw then redis.call('HSET', prompt, 'text', raw) end
 redis.call('DEL', KEYS[2])
 redis.call('PUBLISH', ARGV[11], '{"prompt_id":' .. cjson.encode(active)
