@@ -10,6 +10,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import fakeredis
 import httpx
@@ -442,10 +443,13 @@ def test_fuzz_post_and_query_never_500(prefix: str) -> None:
             raw=st.binary(max_size=40),
             limit=st.text(max_size=5),
             cursor=st.text(max_size=12),
+            thread=st.text(min_size=1, max_size=12),
             key=st.none()
             | st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=10),
         )
-        def check(body: Any, raw: bytes, limit: str, cursor: str, key: str | None) -> None:
+        def check(
+            *, body: Any, raw: bytes, limit: str, cursor: str, thread: str, key: str | None
+        ) -> None:
             headers = {} if key is None else {"Idempotency-Key": key}
             r = c.post("/v1/threads/t/items", json=body, headers=headers)
             assert r.status_code < 500, r.text
@@ -459,6 +463,11 @@ def test_fuzz_post_and_query_never_500(prefix: str) -> None:
             assert q.status_code in (200, 422), q.text
             t = c.get("/v1/threads", params={"cursor": cursor, "limit": limit})
             assert t.status_code in (200, 422), t.text
+            where = httpx.URL("/v1/threads/").join(quote(thread, safe=""))
+            for path in (str(where), f"{where}/prompts/{quote(thread, safe='')}"):
+                assert c.get(path).status_code in (200, 404, 422), path
+            r = c.post(f"{where}/items", json=body)
+            assert r.status_code < 500, r.text
             if key is None:
                 # Whatever was posted, the thread still reads back (nothing half-written).
                 assert c.get("/v1/threads/t").status_code == 200
