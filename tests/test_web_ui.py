@@ -223,6 +223,11 @@ async def test_a_three_question_form_is_answered_per_question(
     await _run_audit(person, make_client)
     [resolved] = of_type(await person.items("dash"), "pending_prompt_resolved")
     assert resolved.metadata["prompt"]["answers"] == want
+    # The thread view shows it as a card, each question's answer under its header.
+    card = page.locator("#thread-items .item.answered")
+    await expect(card).to_contain_text("Cards: KPI cards, Chart", timeout=8000)
+    await expect(card).to_contain_text("Name: Aurora")
+    await shot(page, "thread")
     page_lines = outputs(await person.items("dash"))
     assert "Which cards go on the dashboard? KPI cards, Chart" in page_lines[0]
 

@@ -427,7 +427,6 @@
     }
     const n = state.prompts.size;
     $("count").textContent = String(n);
-    $("count").setAttribute("aria-label", `${n} waiting`);
     $("empty").hidden = n > 0;
     document.title = n ? `(${n}) ${TITLE}` : TITLE;
   }
@@ -856,12 +855,17 @@
     }
     if (!r.ok || !state.view || state.view.threadId !== threadId) return;
     const list = $("thread-items");
-    list.replaceChildren(...r.data.items.map(itemCard));
+    const asked = new Map(); // prompt id -> its questions, so an answer card can name the headers
+    for (const it of r.data.items) {
+      const p = (it.metadata || {}).prompt;
+      if ((it.metadata || {}).type === "pending_prompt" && p) asked.set(p.prompt_id, p.questions);
+    }
+    list.replaceChildren(...r.data.items.map((it) => itemCard(it, asked)));
     $("thread-title").textContent = `Thread ${threadId}${r.data.truncated ? " (the last 1,000 items)" : ""}`;
     $("thread").hidden = false;
   }
 
-  function itemCard(item) {
+  function itemCard(item, asked) {
     const md = item.metadata || {};
     const type = md.type || "";
     const text = (item.content || [])
@@ -889,7 +893,7 @@
     if (type === "pending_prompt_resolved") {
       const p = md.prompt || {};
       if (p.prompt_state === "answered")
-        return h("li", { class: "item answered" }, meta("Answered"), h("div", { class: "body" }, answersList(p.answers, null)));
+        return h("li", { class: "item answered" }, meta("Answered"), h("div", { class: "body" }, answersList(p.answers, asked.get(p.prompt_id))));
       return h("li", { class: "item cancelled" }, meta("Cancelled"), h("div", { class: "body" }, p.reason || text));
     }
     const person = md.via || md.prompt_id || md.answers;
@@ -897,7 +901,7 @@
       "li",
       { class: `item${person ? " person" : ""}` },
       meta(type ? type.replace(/_/g, " ") : md.prompt_id || md.answers ? "Answer" : "Message"),
-      Array.isArray(md.answers) ? h("div", { class: "body" }, answersList(md.answers, null)) : null,
+      Array.isArray(md.answers) ? h("div", { class: "body" }, answersList(md.answers, asked.get(md.prompt_id))) : null,
       text ? h("div", { class: "body" }, text) : null,
     );
   }
