@@ -18,10 +18,11 @@ What runs, all on a private redis-server (AOF on, fsynced on every write) starte
 
 While it runs a sampler reads every open prompt in one MULTI: at most one pending prompt per
 thread, the active pointer naming it, and no open prompt left without a live lease holder for
-long. After `--seconds` the faults stop, every process is brought back, the open prompts must
-all be held by a live replica's lease, then everything is answered and the run settles. The
-checker then reads the records, the items and the logs (see `Checker`). The summary lists the
-prompts, answers, faults by kind and violations by kind; the exit status is 1 on any violation.
+long; and no process of the fleet may exit but by its own fault. After `--seconds` the faults
+stop, every process is brought back, the open prompts must all be held by a live replica's
+lease, then everything is answered and the run settles. The checker then reads the records, the
+items and the logs (see `Checker`). The summary lists the prompts, answers, faults by kind and
+violations by kind; the exit status is 1 on any violation.
 The seed fixes the scripts, the people's choices and the fault schedule; timing still varies.
 
     .venv/bin/python bench/soak.py --seed 1 --threads 40 --seconds 60
@@ -382,14 +383,17 @@ class Soak:
             self.violation("not_settled", "-", None, await self.unsettled())
 
     async def supervise(self) -> None:
-        """Start again what died unasked (counted: a replica should ride out every fault)."""
+        """Start again what died unasked: a violation, since every process of the fleet must
+        ride out every fault but its own kill."""
         while True:
             await asyncio.sleep(0.3)
             for p in self.procs:
                 if not p.down and not p.alive():
                     code = p.popen.returncode if p.popen else None
                     p.exits += 1
-                    self.note(f"{p.name} exited unasked ({code}); starting it again")
+                    last = p.log.read_text(errors="replace").splitlines()[-12:]
+                    why = f"exited {code} unasked; its log ends:\n" + "\n".join(last)
+                    self.violation("exited", p.name, None, why)
                     p.spawn()
 
     async def restore(self) -> None:
