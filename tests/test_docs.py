@@ -71,6 +71,22 @@ def test_http_lists_every_api_setting_with_its_default() -> None:
         assert row.group(1) == shown.get(name, f"`{field.default}`"), name
 
 
+def test_http_lists_every_route() -> None:
+    """Every route the HTTP app serves is in the routes table of docs/http.md."""
+    from starlette.routing import Route
+
+    from web.app import create_app
+    from web.settings import ApiSettings
+
+    app = create_app(ApiSettings(), Settings())
+    paths = {r.path for r in app.routes if isinstance(r, Route)}
+    assert "/v1/prompts" in paths
+    for path in paths:
+        shown = path.replace("{thread_id}", "{thread}").replace("{prompt_id}", "{prompt}")
+        found = re.search(rf"`(GET|POST|DELETE)[^`]* {re.escape(shown)}[`?]", HTTP)
+        assert found, f"{path} is not in docs/http.md"
+
+
 def test_operations_lists_every_command() -> None:
     """Each CLI command appears in the command list of docs/operations.md."""
     for name in {**COMMANDS, **RUNTIME}:
