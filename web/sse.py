@@ -33,13 +33,15 @@ _RETRY_MS = 2000
 
 
 class Subscription:
+    """One open stream's queue of `(event, its frame)`; `lagged` once it overflowed."""
+
     def __init__(self) -> None:
-        self.queue: asyncio.Queue[events.Event] = asyncio.Queue(_QUEUE)
+        self.queue: asyncio.Queue[tuple[events.Event, bytes]] = asyncio.Queue(_QUEUE)
         self.lagged = False
 
-    def put(self, event: events.Event) -> None:
+    def put(self, event: events.Event, frame: bytes | None = None) -> None:
         try:
-            self.queue.put_nowait(event)
+            self.queue.put_nowait((event, frame or _frame(event.name, _data(event), event.id)))
         except asyncio.QueueFull:
             self.lagged = True
 
@@ -86,8 +88,9 @@ class EventHub:
                 continue
             for event in batch:
                 self.last_id = event.id
+                frame = _frame(event.name, _data(event), event.id)  # once, for every stream
                 for sub in list(self._subs):
-                    sub.put(event)
+                    sub.put(event, frame)
 
 
 def _frame(name: str, data: object, event_id: str | None = None) -> bytes:
@@ -169,7 +172,7 @@ async def _live(
     """Live events after `sent`, a heartbeat when there are none; a `reset` if it lagged."""
     while not sub.lagged:
         try:
-            event = await asyncio.wait_for(sub.queue.get(), heartbeat)
+            event, frame = await asyncio.wait_for(sub.queue.get(), heartbeat)
         except TimeoutError:
             yield b": ping\n\n"
             continue
@@ -177,7 +180,7 @@ async def _live(
             continue  # already replayed
         sent = event.id
         if visible(event.thread_id):
-            yield _frame(event.name, _data(event), event.id)
+            yield frame
     # Its queue overflowed: events were dropped. It reconnects (EventSource does) and is
     # replayed from its last id, or told to refetch if that is gone too.
     yield _frame("reset", {"reason": "behind"})
