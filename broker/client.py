@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
 import math
 import re
@@ -565,6 +566,7 @@ class Broker:
         epoch: int | None = None,
         create: bool = True,
         surface: str | None = None,
+        idempotency_key: str | None = None,
     ) -> Routed:
         """Add an item to the thread and route it, atomically: it answers the active prompt, or
         is queued for the next turn, or (naming a prompt that is not active) raises
@@ -577,12 +579,15 @@ class Broker:
         Neither writes anything; both are decided in the same atomic step as the post.
         `surface` names what the item came through (`"http"`, `"cli"`, ...): an answer records
         it, with the item's author, on the prompt (`answered_via`, `answered_by`) and the audit
-        item (`metadata.surface`, `metadata.answered_by`).
+        item (`metadata.surface`, `metadata.answered_by`). With `idempotency_key`, a post that
+        took effect under that key on this thread (within a day) is not made again: the first
+        outcome is returned, with the first item's id, whatever the item says this time.
         """
         self._check_open()
         tk = self.thread(thread_id)
         p = _check_item(item, self.identity)
         _check_surface(surface)
+        idem = _idempotency(idempotency_key)
         item_id = _new_id("itm")
         keys = [tk.items, tk.active, tk.inbox, tk.session]
         args = [
@@ -601,30 +606,22 @@ class Broker:
             "1" if create else "0",
             "1" if p.malformed else "0",
             surface or "",
+            idem,
         ]
         try:
             reply = await self._scripts.call(self.redis, "route", keys, args)
         except (RedisConnectionError, RedisTimeoutError, OSError) as e:
             reply = await self._route_outcome_unknown(tk, item_id, keys, args, e)
+        repeated = reply[0] == "repeat"
+        if repeated:
+            reply = orjson.loads(reply[1])
         status, *rest = reply
-        if status == "fenced":
-            raise Fenced(thread_id, epoch or 0, int(rest[0]) if rest[0] else None)
-        if status == "closed":
-            raise ThreadClosed(thread_id)
-        if status == "notfound":
-            raise ThreadNotFound(thread_id)
-        if status == "stale":
-            state, active = rest
-            raise StaleAnswer(thread_id, p.named, state, active or None)
-        if status == "bad":
-            why = str(rest[0])
-            where, sep, problem = why.partition(": ")
-            if sep and where.startswith("metadata.answers"):
-                raise BadItem(where, problem)
-            raise BadItem("metadata.answers" if p.structured or p.refusal else "content", why)
+        _raise_refused(thread_id, epoch, p, status, rest)
         if status != "answered":
-            return Routed(outcome=status, item_id=item_id)
-        _, prompt_id, answers, source, refusal = rest
+            return Routed(outcome=status, item_id=rest[0])
+        item_id, prompt_id, answers, source, refusal = rest
+        if repeated:
+            return _answered(item_id, prompt_id, answers, source, refusal)
         try:
             await events.append_event(
                 self.redis,
@@ -646,14 +643,7 @@ class Broker:
             "prompt.answered",
             extra={"thread_id": thread_id, "prompt_id": prompt_id, "source": source},
         )
-        return Routed(
-            outcome="answered",
-            item_id=item_id,
-            prompt_id=prompt_id,
-            answers=[Answer.model_validate(a) for a in orjson.loads(answers)],
-            source=source,
-            refused_answers=refusal or None,
-        )
+        return _answered(item_id, prompt_id, answers, source, refusal)
 
     async def _route_outcome_unknown(
         self, tk: ThreadKeys, item_id: str, keys: list[str], args: list[Any], error: Exception
@@ -1176,3 +1166,44 @@ def _retrieved(task: asyncio.Future[Any]) -> None:
 def _check_surface(surface: object) -> None:
     if surface is not None and (not isinstance(surface, str) or not _SURFACE.fullmatch(surface)):
         raise BadItem("surface", f"{surface!r} is not a surface name (1-32 of a-z 0-9 . _ -)")
+
+
+def _answered(item_id: str, prompt_id: str, answers: str, source: str, refusal: str) -> Routed:
+    return Routed(
+        outcome="answered",
+        item_id=item_id,
+        prompt_id=prompt_id,
+        answers=[Answer.model_validate(a) for a in orjson.loads(answers)],
+        source=source,
+        refused_answers=refusal or None,
+    )
+
+
+def _idempotency(key: object) -> str:
+    """The key as route.lua keeps it: hashed, so any string of the caller's fits a key name."""
+    if key is None:
+        return ""
+    if not isinstance(key, str) or not key or len(key) > 255:
+        raise BadItem("idempotency_key", "expected a non-empty string of at most 255 characters")
+    return hashlib.sha256(_check_text(key, "idempotency_key").encode()).hexdigest()
+
+
+def _raise_refused(
+    thread_id: str, epoch: int | None, p: _CheckedItem, status: str, rest: list[Any]
+) -> None:
+    """Raise the error for a route reply that wrote nothing; return for one that did."""
+    if status == "fenced":
+        raise Fenced(thread_id, epoch or 0, int(rest[0]) if rest[0] else None)
+    if status == "closed":
+        raise ThreadClosed(thread_id)
+    if status == "notfound":
+        raise ThreadNotFound(thread_id)
+    if status == "stale":
+        state, active = rest
+        raise StaleAnswer(thread_id, p.named, state, active or None)
+    if status == "bad":
+        why = str(rest[0])
+        where, sep, problem = why.partition(": ")
+        if sep and where.startswith("metadata.answers"):
+            raise BadItem(where, problem)
+        raise BadItem("metadata.answers" if p.structured or p.refusal else "content", why)

@@ -658,3 +658,33 @@ async def test_surface_is_optional_and_checked(broker: Broker) -> None:
     await broker.post_item("t", text("yes"))
     record = await broker.get_prompt("t", p.prompt_id)
     assert (record.answered_by, record.answered_via) == ("user", None)
+
+
+async def test_idempotency_key_makes_a_retry_harmless(broker: Broker) -> None:
+    """A retried post under the same key is not made again: the first outcome comes back (same
+    item id), the thread holds one item, and a prompt asked since is not answered by it."""
+    first = await broker.post_item("t", text("hello"), idempotency_key="req-1")
+    again = await broker.post_item("t", text("hello"), idempotency_key="req-1")
+    assert again == first and first.outcome == "queued"
+    assert await stream_len(broker, "t") == 1
+    assert len(await broker.take_inbox("t")) == 1
+    p = await broker.ask("t", "approval", [APPROVAL])
+    answered = await broker.post_item("t", text("yes"), idempotency_key="req-2")
+    assert answered.prompt_id == p.prompt_id and answered.answers is not None
+    p2 = await broker.ask("t", "approval", [APPROVAL])
+    assert await broker.post_item("t", text("yes"), idempotency_key="req-2") == answered
+    assert (await broker.get_prompt("t", p2.prompt_id)).state == "pending"
+    other = await broker.post_item("u", text("hello"), idempotency_key="req-1")
+    assert other.item_id != first.item_id  # keys are per thread
+
+
+async def test_idempotency_key_is_checked_and_refusals_are_not_kept(broker: Broker) -> None:
+    for bad in ("", "x" * 256, "a\ud800", 7):
+        with pytest.raises(BadItem) as e:
+            await broker.post_item("t", text("x"), idempotency_key=bad)  # type: ignore[arg-type]
+        assert e.value.field == "idempotency_key"
+    with pytest.raises(StaleAnswer):
+        await broker.post_item(
+            "t", text("yes", prompt_id="prm_01M8RJ7DTBVQ04A2EVKNY8WKGH"), idempotency_key="k"
+        )
+    assert (await broker.post_item("t", text("hi"), idempotency_key="k")).outcome == "queued"

@@ -15,6 +15,8 @@
 --          text is mapped instead; with none, the item is refused rather than queued carrying it
 -- ARGV[15] the surface the item came through ('http', 'cli', ...), or '': kept as `via` on the
 --          prompt it answers, beside its author as `by`
+-- ARGV[16] the caller's idempotency key, hashed (hex), or '': a post that took effect under it
+--          is not made again; its first reply is returned (as {'repeat', reply JSON}), for a day
 --
 -- Returns one of
 --   {'posted', item id}                      a 'self' item, on the thread only
@@ -98,6 +100,17 @@ local function map_prepared(kind, ms, p)
   return out
 end
 
+local idem = (ARGV[16] ~= nil and ARGV[16] ~= '') and (ARGV[10] .. 'idem:' .. ARGV[16]) or nil
+if idem then
+  local first = redis.call('GET', idem)
+  if first then return {'repeat', first} end
+end
+-- Every reply that wrote something goes through here, so a retry under the same key repeats it.
+local function done(reply)
+  if idem then redis.call('SET', idem, cjson.encode(reply), 'EX', 86400) end
+  return reply
+end
+
 local current = fenced(KEYS[4], ARGV[12])
 if current then return {'fenced', current} end
 
@@ -108,7 +121,7 @@ if ARGV[13] == '0' and redis.call('EXISTS', KEYS[1], KEYS[4]) == 0 then return {
 
 if ARGV[5] == 'self' then
   add_item()
-  return {'posted', ARGV[1]}
+  return done({'posted', ARGV[1]})
 end
 
 local base, named = ARGV[10], ARGV[6]
@@ -128,7 +141,7 @@ if state ~= 'pending' then
   local sid = add_item()
   redis.call('RPUSH', KEYS[3], cjson.encode({id = ARGV[1], author = ARGV[2], sid = sid, body = ARGV[4]}))
   redis.call('PUBLISH', ARGV[11], '{"queued":' .. cjson.encode(ARGV[1]) .. '}')
-  return {'queued', ARGV[1]}
+  return done({'queued', ARGV[1]})
 end
 
 -- What mapping needs was stored on the prompt's own stream entry at ask time.
@@ -180,4 +193,4 @@ if raw then redis.call('HSET', prompt, 'text', raw) end
 redis.call('DEL', KEYS[2])
 redis.call('PUBLISH', ARGV[11], '{"prompt_id":' .. cjson.encode(active)
   .. ',"state":"answered","answers":' .. encoded .. '}')
-return {'answered', ARGV[1], active, encoded, source, refusal}
+return done({'answered', ARGV[1], active, encoded, source, refusal})
