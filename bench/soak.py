@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import os
 import random
 import re
@@ -72,6 +73,8 @@ EVENTS = ("turn.", "wait.", "replica.adopted", "replica.lost_thread", "grant.", 
 #: Seconds an open prompt may go without a live lease holder before it counts as stranded.
 STRANDED_AFTER = 10.0
 DOWN = (BrokerUnavailable, RedisError, OSError, asyncio.TimeoutError)
+#: Whether this checkout's `post_item` takes the surface's name (a checkout before it does not).
+SURFACE_NAMES = "surface" in inspect.signature(Broker.post_item).parameters
 
 
 # -- what each thread's agent does -------------------------------------------------------------
@@ -725,7 +728,7 @@ class Soak:
         tries = 30 if item.get("metadata", {}).get("prompt_id") else 1
         for _ in range(tries):
             try:
-                routed = await b.post_item(a.thread, item)
+                routed = await b.post_item(a.thread, item, **self.surface(a))
             except StaleAnswer as e:
                 a.outcome, a.detail = "stale", e.state
             except BrokerError as e:
@@ -743,6 +746,11 @@ class Soak:
                 a.answers = [x.model_dump() for x in routed.answers or []] or None
                 a.source = routed.source
             return
+
+    @staticmethod
+    def surface(a: Attempt) -> dict[str, str]:
+        """Name the surface to the broker, where it takes a name (the audit item then says it)."""
+        return {"surface": f"soak-{a.surface}"} if SURFACE_NAMES else {}
 
     async def cancel(self, a: Attempt) -> None:
         b = self.surfaces["abc".index(a.surface)]
@@ -888,6 +896,7 @@ class Checker:
         self.prompts: dict[str, Prompt] = {}
         self.items: dict[str, list[Item]] = {}
         self.lines_checked = 0
+        self.audit_items: dict[str, dict[str, Any]] = {}  # item id -> metadata
         self.index_dangling: list[str] = []
         self.commands_run = 0
         self.events: Counter[str] = Counter()
@@ -899,6 +908,8 @@ class Checker:
         for t in self.soak.threads:
             self.items[t] = await self.b.items(t)
             for i in self.items[t]:
+                if i.type == "pending_prompt_resolved":
+                    self.audit_items[i.id] = i.metadata
                 if i.type == "pending_prompt":
                     pid = i.metadata["prompt"]["prompt_id"]
                     self.prompts[pid] = await self.b.get_prompt(t, pid)
@@ -936,6 +947,11 @@ class Checker:
             )
         elif a.source == "structured" and a.sent and _labels(a.sent) != _labels(recorded):
             self.bad("lost", p.thread_id, p.prompt_id, f"sent {a.sent}, recorded {recorded}")
+        elif SURFACE_NAMES and a.surface in "abc" and p.audit_item_id:
+            said = self.audit_items.get(p.audit_item_id, {}).get("surface")
+            if said != f"soak-{a.surface}":
+                why = f"answered through soak-{a.surface}; the audit item says {said!r}"
+                self.bad("audit_fields", p.thread_id, p.prompt_id, why)
 
     def audit(self) -> None:
         resolved: dict[str, list[Item]] = defaultdict(list)

@@ -68,7 +68,7 @@ def resolved(p: Prompt) -> Item:
         id=p.audit_item_id or "",
         author="prompt-broker",
         content=[],
-        metadata={"type": "pending_prompt_resolved", "prompt": prompt},
+        metadata={"type": "pending_prompt_resolved", "prompt": prompt, "surface": "soak-a"},
         created_at=NOW,
     )
 
@@ -128,6 +128,7 @@ def records(folder: Path, *, planted: bool) -> soak.Checker:
     )
     checker = soak.Checker(run)  # type: ignore[arg-type]
     checker.items = {T: items}
+    checker.audit_items = {i.id: i.metadata for i in items if i.type == "pending_prompt_resolved"}
     checker.prompts = {p.prompt_id: p for p in prompts}
     checker.found = found  # type: ignore[attr-defined]
     return checker
@@ -221,3 +222,12 @@ def test_sampler_sees_two_pending_a_wrong_lock_and_a_stranded_prompt() -> None:
     run.seen["prm_2"].stranded_since = soak.time.monotonic() - soak.STRANDED_AFTER - 1
     run.judge(T, {"prm_1": "pending", "prm_2": "pending"}, None, ["gone", "0", wait], 1000)
     assert sorted(found) == ["lock_mismatch", "stranded", "two_pending"]
+
+
+@pytest.mark.skipif(not soak.SURFACE_NAMES, reason="this checkout's post_item names no surface")
+def test_checker_sees_an_audit_item_naming_another_surface(tmp_path: Path) -> None:
+    """An answer made through one surface but audited as another's is caught."""
+    checker = records(tmp_path, planted=False)
+    audited = next(iter(checker.audit_items))
+    checker.audit_items[audited] = {**checker.audit_items[audited], "surface": "soak-b"}
+    assert judge(checker) == ["audit_fields"]
