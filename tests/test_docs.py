@@ -152,6 +152,16 @@ def test_architecture_lists_every_record_field() -> None:
     assert not missing, f"not in docs/architecture.md: {missing}"
 
 
+def test_operations_names_only_log_events_that_exist() -> None:
+    """Every log event the Logs section of docs/operations.md names is logged somewhere."""
+    section = OPERATIONS.split("## Logs", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"`([a-z]+\.[a-z_]+)`", section)
+    assert len(named) >= 8
+    code = "".join(p.read_text() for d in ("broker", "workers") for p in (ROOT / d).rglob("*.py"))
+    for event in named:
+        assert f'"{event}"' in code, f"no log event {event!r} in broker/ or workers/"
+
+
 def test_operations_names_only_tests_that_exist() -> None:
     """Every test the crash-test matrix of docs/operations.md names is a test in tests/."""
     named = re.findall(r"`(test_\w+\.py)::(test_\w+)`", OPERATIONS)
