@@ -1054,11 +1054,13 @@ async def cut_off(harness: ClaudeHarness, turn: Turn, ready: Callable[[], bool],
 def hold_reply(
     gate: threading.Event, asked: threading.Event
 ) -> Callable[[list[dict[str, Any]]], list[dict[str, Any]]]:
-    """The model's reply, held until `gate` is set (`asked` says it is pending)."""
+    """The model's reply, the first time held until `gate` is set (`asked` says it is
+    pending); later asks (the resumed session's) are answered at once."""
 
     def reply(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        asked.set()
-        gate.wait(SLOW)
+        if not asked.is_set():
+            asked.set()
+            gate.wait(SLOW)
         return [text("Done.")]
 
     return reply
