@@ -26,6 +26,7 @@ from tests.test_replica import Fleet, script, start_thread, tool
 from web.app import create_app
 from web.settings import ApiSettings, Identity
 from web.testing import serving
+from workers import codex
 
 pytestmark = pytest.mark.real_redis
 
@@ -166,7 +167,7 @@ async def test_approve_a_command_by_button_and_the_agent_continues(
     await shot(page, "approval-360")
     await page.set_viewport_size({"width": 1200, "height": 860})
 
-    await page.get_by_role("button", name="Approve").click()
+    await page.get_by_role("button", name="Approve", exact=True).click()
     await expect(page.locator("#note")).to_contain_text("Sent.")
     await until(
         lambda: _has_output(person, "deploy", "all done"), "the agent to run the call and go on"
@@ -276,20 +277,12 @@ async def test_a_prompt_answered_from_the_cli_retires_within_a_second(
     note = page.locator("#note")
     await expect(note).to_contain_text("Already answered by bob")
     await expect(note).to_contain_text("Approve")
-    await expect(page.get_by_role("button", name="Approve")).to_be_disabled()
+    await expect(page.get_by_role("button", name="Approve", exact=True)).to_be_disabled()
 
 
 def _approval(command: str, cwd: str = "/srv/app") -> dict[str, Any]:
-    """An approval question shaped as the Codex harness shapes a command's."""
-    return {
-        "question": f"Allow Codex to run this command?\n\n`{command}`\n\nin {cwd}",
-        "header": "shell",
-        "subject": "item/commandExecution/requestApproval",
-        "options": [
-            {"label": "Approve", "description": "run this command"},
-            {"label": "Deny", "description": "refuse it; Codex carries on without it"},
-        ],
-    }
+    """A command approval exactly as the Codex harness asks it (its folder in the text)."""
+    return codex.approval_question(codex.COMMAND, {"command": command, "cwd": cwd}).wire()
 
 
 async def test_a_superseded_form_locks_and_keeps_its_draft(
@@ -443,3 +436,29 @@ async def test_a_cancelled_prompt_locks_with_its_reason(
     await expect(page.get_by_label("Your reply")).to_have_value("keep going")
     await expect(page.get_by_role("button", name="Send reply")).to_be_disabled()
     await expect(page).to_have_title("prompt-broker inbox")
+
+
+async def test_a_file_change_shows_its_files_and_every_option(
+    browser: Browser, base_url: str, person: Broker
+) -> None:
+    """Codex's file-change approval: each file in monospace, the session's folder, and its
+    third option (approve for the session) as a button of its own."""
+    changes = [
+        {"path": "src/app.py", "kind": {"type": "update"}},
+        {"path": "src/new.py", "kind": {"type": "add"}},
+    ]
+    q = codex.approval_question(codex.FILE_CHANGE, {"reason": "Write the fix?"}, changes)
+    await person.sessions.create("files", "scripted", "approval", {}, work_folder="/srv/repo")
+    p = await person.ask("files", "approval", [q.wire()])
+    page = await open_inbox(browser, base_url)
+    await entry(page, "files").click()
+    pane = page.locator("#answer-form")
+    await expect(pane.locator(".intent")).to_have_text("Write the fix?")
+    await expect(pane.locator("ul.files li")).to_have_text(
+        ["src/app.py (update)", "src/new.py (add)"]
+    )
+    await expect(pane.locator("code.cwd")).to_have_text("/srv/repo")
+    await pane.get_by_role("button", name=codex.SESSION_LABEL).click()
+    await expect(page.locator("#note")).to_contain_text("Sent.")
+    got = await person.get_prompt("files", p.prompt_id)
+    assert got.answers is not None and got.answers[0].answer == [codex.SESSION_LABEL]
