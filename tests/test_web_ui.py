@@ -101,16 +101,34 @@ async def browser() -> AsyncIterator[Browser]:
     assert CHROMIUM is not None
     async with async_playwright() as pw:
         b = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        _errors[b] = []
         try:
             yield b
         finally:
             await b.close()
+        # An exception in the page's script, or anything the security policy blocked, fails
+        # the test even where the page happened to look right.
+        assert _errors.pop(b) == []
+
+
+_errors: dict[Browser, list[str]] = {}
+
+
+async def new_page(browser: Browser, width: int = 1200) -> Page:
+    context = await browser.new_context(viewport={"width": width, "height": 860})
+    page = await context.new_page()
+    seen = _errors[browser]
+    page.on("pageerror", lambda e: seen.append(f"page error: {e}"))
+    page.on(
+        "console",
+        lambda m: seen.append(m.text) if "Content Security Policy" in m.text else None,
+    )
+    return page
 
 
 async def open_inbox(browser: Browser, base_url: str, width: int = 1200) -> Page:
     """A fresh browser context, signed in through the page's own form."""
-    context = await browser.new_context(viewport={"width": width, "height": 860})
-    page = await context.new_page()
+    page = await new_page(browser, width)
     await page.goto(base_url + "/")
     await page.get_by_label("Token").fill(ALICE)
     await page.get_by_role("button", name="Sign in").click()
@@ -132,7 +150,7 @@ def entry(page: Page, thread_id: str) -> Any:
 async def test_sign_in_refuses_a_bad_token(browser: Browser, base_url: str) -> None:
     """A wrong token is refused in the form; the right one opens the inbox, and the token
     is not left in the page."""
-    page = await browser.new_page()
+    page = await new_page(browser)
     await page.goto(base_url + "/")
     await expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
     await shot(page, "sign-in")
@@ -145,6 +163,11 @@ async def test_sign_in_refuses_a_bad_token(browser: Browser, base_url: str) -> N
     assert await page.locator("#token").input_value() == ""
     await page.reload()  # the session cookie keeps it signed in
     await expect(page.locator("#who-name")).to_have_text("Signed in as alice")
+    await page.get_by_role("button", name="Sign out").click()
+    await expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
+    await page.reload()  # the cookie is gone with the session
+    await expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
+    await expect(page).to_have_title("prompt-broker inbox")
 
 
 async def test_approve_a_command_by_button_and_the_agent_continues(
