@@ -12,6 +12,7 @@ import asyncio
 import os
 import shlex
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -323,6 +324,28 @@ def test_glob_star_never_matches_a_newline() -> None:
     g = guard({"default": "deny", "rules": [rule("echo", "exec", "allow", command=["echo *"])]})
     assert claude(g, "echo 'a b'").action == "allow"
     assert (claude(g, "echo 'a\nb'").action, claude(g, "echo 'a\nb'").rule) == ("deny", "")
+
+
+def test_characters_that_crash_the_grammar_are_parsed_safely() -> None:
+    """tree-sitter-bash segfaults on `{` followed by some characters (U+DF1A8, U+10FFFF):
+    deciding them must not take the replica down (run apart, so a crash fails only this test),
+    and non-ASCII words still read as themselves."""
+    probe = (
+        "from workers.policy import analyse\n"
+        "for _ in range(300):\n"
+        "    for text in ('{\\U000df1a8', 'a {\\U0010ffff', '{\\U000df1a8; rm x'):\n"
+        "        analyse(text)\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    ran = subprocess.run(
+        [sys.executable, "-c", probe], cwd=root, check=False, capture_output=True, timeout=120
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    g = guard(DENY_LIST)
+    assert claude(g, "{\U000df1a8; rm -rf x").rule == "no-rm"
+    assert claude(g, "echo é > /etc/é").rule == "w-out"
+    assert claude(g, "rm -rf 日本").rule == "no-rm"
+    assert claude(g, "echo\u00a0rm -rf x").action == "allow"  # no blank to bash: one word
 
 
 # -- paths -------------------------------------------------------------------------------------

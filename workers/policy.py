@@ -88,7 +88,7 @@ from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 import tree_sitter_bash
-from tree_sitter import Language, Node, Parser
+from tree_sitter import Language, Node, Parser, Tree
 
 from broker import BadItem
 from workers.harness import GateVerdict
@@ -272,6 +272,8 @@ def validate(raw: object) -> None:
 
 _BASH = Language(tree_sitter_bash.language())
 _parsers = threading.local()  # a Parser is not safe to share between threads
+_source = threading.local()  # the bytes of the script being walked (`_parse`)
+_NON_ASCII = re.compile(rb"[\x80-\xff]")
 
 #: Named nodes and tokens an allow rule can prove: plain words joined by list and pipe operators.
 _PLAIN_NODES = frozenset(
@@ -385,9 +387,26 @@ class Script:
         self.plain = False
 
 
+def _parse(text: str) -> tuple[Tree, bytes]:
+    """A script's parse tree, and its bytes (which `_text` reads nodes from).
+
+    The grammar is given the script with every byte of a non-ASCII character replaced by `x`:
+    tree-sitter-bash crashes the process on some characters (`{` then U+DF1A8 segfaults it),
+    and bash itself reads them as ordinary word characters, as it does `x` (no Unicode blank
+    separates words in bash). The lengths in bytes are the same, so each node's text is read
+    from the real script."""
+    data = text.encode("utf-8", "surrogatepass")
+    _source.data = data
+    return _parser().parse(_NON_ASCII.sub(b"x", data)), data
+
+
 def _text(node: Node) -> str:
-    raw = node.text
-    return raw.decode("utf-8", "surrogatepass") if raw is not None else ""
+    """A node's text, from the script being walked (`_parse`)."""
+    raw: bytes = _source.data[node.start_byte : node.end_byte]
+    try:
+        return raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:  # a node edge inside a character: keep what can be read
+        return raw.decode("utf-8", "replace")
 
 
 def _ansi_c(body: str) -> str:
@@ -736,8 +755,7 @@ def _rough(text: str, nest: int, s: Script, pending: list[tuple[str, int]]) -> N
 
 def _scan(text: str, depth: int, s: Script, pending: list[tuple[str, int]]) -> None:
     """One script's parse tree, walked without recursion (a tree may be 60,000 deep)."""
-    data = text.encode("utf-8", "surrogatepass")
-    tree = _parser().parse(data)
+    tree, data = _parse(text)
     misread = tree.root_node.has_error
     if misread:  # the walk goes on: deny rules still see what parsed, and the rough cuts
         s.hide("a parse error")
@@ -802,7 +820,8 @@ def _plain_argv(command: str) -> list[str] | None:
     """The words of a command line that is one simple command of literal words, else None."""
     if len(command) > MAX_COMMAND or "\0" in command:
         return None
-    root = _parser().parse(command.encode("utf-8", "surrogatepass")).root_node
+    tree, _ = _parse(command)
+    root = tree.root_node
     named = [c for c in root.children if c.is_named]
     if root.has_error or len(named) != 1 or named[0].type != "command":
         return None
