@@ -126,6 +126,11 @@ def content(path: Path) -> str:
     return path.read_text()
 
 
+def wrote(marker: Path) -> bool:
+    """The command has written its line (the shell creates the file a moment before)."""
+    return marker.exists() and marker.read_text() == "RAN\n"
+
+
 def claude_children() -> list[int]:
     """The Claude Code CLIs (and their supervisors) this test process started, still running."""
     found = []
@@ -1080,7 +1085,7 @@ async def test_a_call_cut_off_while_running_is_said_interrupted_and_the_agent_is
     fake.script.conversations["CUT-RUN"] = [[bash(command)], [text("Done.")]]
     fake.script.conversations["CUT-RUN"].append([text("I will check the marker first.")])
     turn = direct_turn(fake, work, store, "CUT-RUN: go")
-    await cut_off(harness, turn, marker.exists, "the command to start")
+    await cut_off(harness, turn, lambda: wrote(marker), "the command to write")
 
     note = await harness.describe_interruption("t1", None, store)
     assert note == (
@@ -1256,7 +1261,7 @@ async def test_replica_killed_while_an_approved_command_runs(
         tmp_path,
         work,
         marker_name="E2E-DURING",
-        kill_when=lambda: truthy(marker.exists()),
+        kill_when=lambda: truthy(wrote(marker)),
         then=[text("Done.")],
     )
     note = (
