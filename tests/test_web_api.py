@@ -486,18 +486,28 @@ def test_fuzz_post_and_query_never_500(prefix: str) -> None:
         check()
 
 
+async def _hold_a_stream(base: str, opened: asyncio.Event) -> None:
+    async with (
+        httpx.AsyncClient(base_url=base, headers=auth(), timeout=30) as c,
+        c.stream("GET", "/v1/threads/t/events") as r,
+    ):
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("event: ready"):
+                opened.set()
+
+
 @pytest.mark.parametrize("backend", ["real"])
 @pytest.mark.parametrize("given", ["flag", "env"])
 async def test_a_real_serve_process(
     broker: Broker, real_redis_url: str, prefix: str, tmp_path: Path, given: str
 ) -> None:
     """`prompt-broker serve` as its own process, tokens from --tokens or the environment: an
-    answer POSTed to it reaches the agent's wait; SIGTERM stops it cleanly (status 0); the
-    token is in none of its output."""
+    answer POSTed to it reaches the agent's wait; SIGTERM stops it with status 0 even with an
+    event stream open; the token is in none of its output."""
     tokens = tmp_path / "tokens.json"
-    tokens.write_bytes(
-        orjson.dumps([{"name": "alice", "token_sha256": hash_token(ALICE), "scopes": ["answer"]}])
-    )
+    entry = {"name": "alice", "token_sha256": hash_token(ALICE), "scopes": ["read", "answer"]}
+    tokens.write_bytes(orjson.dumps([entry]))
     port = free_port()
     env = {
         **os.environ,
@@ -522,8 +532,10 @@ async def test_a_real_serve_process(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
+    base = f"http://127.0.0.1:{port}"
+    stream: asyncio.Task[None] | None = None
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=auth()) as c:
+        async with httpx.AsyncClient(base_url=base, headers=auth()) as c:
             for _ in range(200):
                 with contextlib.suppress(httpx.TransportError):
                     if (await c.get("/readyz")).status_code == 200:
@@ -536,9 +548,18 @@ async def test_a_real_serve_process(
             )
             assert r.status_code == 200, r.text
             assert (await waiting)[0].answer == ["Approve"]
-            assert (await c.get("/v1/prompts")).status_code == 403  # answer only, no read
+        opened = asyncio.Event()
+        stream = asyncio.create_task(_hold_a_stream(base, opened))
+        await asyncio.wait_for(opened.wait(), 10)
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, _ = await asyncio.wait_for(proc.communicate(), 15)
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), 15)
+        except TimeoutError:
+            proc.kill()  # never left behind, even when this test fails
+            raise
+        if stream is not None:
+            stream.cancel()
+            await asyncio.gather(stream, return_exceptions=True)
     assert proc.returncode == 0, out.decode()
     assert ALICE.encode() not in out and b"/v1/threads/t/items" in out  # the access log ran

@@ -13,7 +13,16 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from broker import Broker, Item, Prompt, PromptNotFound, StaleAnswer, ThreadNotFound
+from broker import (
+    Broker,
+    BrokerError,
+    BrokerUnavailable,
+    Item,
+    Prompt,
+    PromptNotFound,
+    StaleAnswer,
+    ThreadNotFound,
+)
 from broker.keys import check_prompt_id, check_thread_id
 from broker.sessions import Session
 from web import idempotency, sse
@@ -291,6 +300,13 @@ class Api:
             return json_response(first, first_status, {"Idempotent-Replayed": "true"})
         try:
             status, out = await self._post(thread_id, caller, body)
+        except BrokerError as e:
+            error = from_broker(e)
+            maybe = isinstance(e, BrokerUnavailable) and e.took_effect is not False
+            await idempotency.finish(
+                self.broker.redis, claimed, error.status, error.body(), maybe_written=maybe
+            )
+            raise error from None
         except ApiError as e:
             await idempotency.finish(self.broker.redis, claimed, e.status, e.body())
             raise
@@ -359,6 +375,7 @@ class Api:
         }
 
     async def sign_in(self, request: Request) -> Response:
+        self.gate.check_origin(request)  # no signing a visitor in from another site
         body, _ = await _json_body(request)
         token = body.get("token")
         if not isinstance(token, str) or not token:

@@ -139,11 +139,16 @@ class Gate:
             return caller
         raise _unauthenticated("no token: send `Authorization: Bearer <token>` or sign in")
 
-    def _check_csrf(self, conn: HTTPConnection, caller: Caller) -> None:
-        """A cookie-authenticated write: the CSRF token must come with it, from our own origin."""
+    @staticmethod
+    def check_origin(conn: HTTPConnection) -> None:
+        """A browser's write from another site (its `Origin` is not ours) is refused."""
         origin = conn.headers.get("origin")
         if origin is not None and urlsplit(origin).netloc != conn.headers.get("host", ""):
             raise ApiError(403, "csrf_failed", "a write from another origin")
+
+    def _check_csrf(self, conn: HTTPConnection, caller: Caller) -> None:
+        """A cookie-authenticated write: the CSRF token must come with it, from our own origin."""
+        self.check_origin(conn)
         sent = conn.headers.get("x-csrf-token", "")
         expected = self.csrf_token(caller) or ""
         if not sent or not hmac.compare_digest(sent.encode(), expected.encode()):

@@ -79,10 +79,16 @@ async def claim(
     return int(record["status"]), record["response"]
 
 
-async def finish(redis: Redis, claim: Claim, status: int, response: Any) -> None:
-    """Keep the first answer for replays; free the key when it did not surely take effect."""
+async def finish(
+    redis: Redis, claim: Claim, status: int, response: Any, *, maybe_written: bool = False
+) -> None:
+    """Keep the first answer for replays. A 5xx is not kept: when it certainly wrote nothing
+    the key is freed at once, so a retry really retries; when it may have written
+    (`maybe_written`: Redis went away mid-call) the claim is left to expire, so a retry in
+    the next minute is told to wait rather than risk posting twice."""
     if status >= 500:
-        await redis.delete(claim.key)
+        if not maybe_written:
+            await redis.delete(claim.key)
         return
     record = {"state": "done", "body": claim.body_hash, "status": status, "response": response}
     await redis.set(claim.key, dumps(record), ex=_DONE_TTL)

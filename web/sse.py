@@ -151,6 +151,11 @@ async def stream(
         yield f"retry: {_RETRY_MS}\n\n".encode()
         try:
             sent, resumed, replay = await _replay(hub, last_event_id)
+        except (RedisError, OSError):
+            # Redis is away: say so in the stream's own words and end it; EventSource
+            # reconnects after `retry` and the page polls meanwhile.
+            yield _frame("reset", {"reason": "unavailable"})
+            return
         except _Behind:
             yield _frame("ready", {"last_event_id": hub.last_id, "resumed": False})
             yield _frame("reset", {"reason": "behind"})

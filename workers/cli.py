@@ -504,6 +504,8 @@ async def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         port=api.port,
         log_config=None,  # ours, configured above; the access log shows no token (none in URLs)
         lifespan="on",
+        # Open event streams never end by themselves: on SIGTERM they are cut after this.
+        timeout_graceful_shutdown=3,
     )
     await _server_class()(config).serve()
     return 0
