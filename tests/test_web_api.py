@@ -563,3 +563,24 @@ async def test_a_real_serve_process(
             await asyncio.gather(stream, return_exceptions=True)
     assert proc.returncode == 0, out.decode()
     assert ALICE.encode() not in out and b"/v1/threads/t/items" in out  # the access log ran
+
+
+async def test_idempotency_after_an_unknown_outcome_waits(broker: Broker) -> None:
+    """A 503 that certainly wrote nothing frees the key (the retry retries); one whose outcome
+    is unknown leaves it claimed, so a quick retry is told to wait instead of posting twice."""
+    from web import idempotency
+    from web.errors import ApiError
+
+    tk = broker.thread("t")
+    for maybe, retry_runs in ((False, True), (True, False)):
+        key = f"k-{maybe}"
+        claim = await idempotency.claim(broker.redis, tk, "alice", key, b"{}")
+        assert isinstance(claim, idempotency.Claim)
+        await idempotency.finish(broker.redis, claim, 503, {}, maybe_written=maybe)
+        if retry_runs:
+            again = await idempotency.claim(broker.redis, tk, "alice", key, b"{}")
+            assert isinstance(again, idempotency.Claim)
+        else:
+            with pytest.raises(ApiError) as e:
+                await idempotency.claim(broker.redis, tk, "alice", key, b"{}")
+            assert e.value.status == 409 and e.value.code == "idempotency_conflict"

@@ -323,3 +323,11 @@ def test_token_new_prints_the_token_and_its_line(capsys: pytest.CaptureFixture[s
     assert s.tokens[0].threads == "c-*"
     assert cli_main(["token", "new", "dave", "--scopes", "write"]) == 2
     assert cli_main(["token", "new", "prompt-broker", "--scopes", "read"]) == 2
+
+
+async def test_sign_in_from_another_origin_is_refused(anon: httpx.AsyncClient) -> None:
+    """A page on another site cannot sign a visitor in (no cookie is set)."""
+    r = await anon.post(
+        "/v1/session", json={"token": ALICE}, headers={"Origin": "http://evil.example"}
+    )
+    assert r.status_code == 403 and "set-cookie" not in r.headers
