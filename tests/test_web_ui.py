@@ -27,6 +27,7 @@ from web.app import create_app
 from web.settings import ApiSettings, Identity
 from web.testing import serving
 from workers import codex
+from workers.harness import approval_question
 
 pytestmark = pytest.mark.real_redis
 
@@ -231,6 +232,7 @@ async def test_a_three_question_form_is_answered_per_question(
     await shot(page, "ask_user_question")
     await page.set_viewport_size({"width": 360, "height": 760})
     await shot(page, "ask_user_question-360")
+    assert await page.evaluate("() => document.documentElement.scrollWidth") <= 360
     await page.set_viewport_size({"width": 1200, "height": 860})
     await form.get_by_role("button", name="Submit answers").click()
     await expect(page.locator("#note")).to_contain_text("Sent.")
@@ -485,3 +487,21 @@ async def test_a_file_change_shows_its_files_and_every_option(
     await expect(page.locator("#note")).to_contain_text("Sent.")
     got = await person.get_prompt("files", p.prompt_id)
     assert got.answers is not None and got.answers[0].answer == [codex.SESSION_LABEL]
+
+
+async def test_a_claude_edit_shows_the_file_and_the_session_folder(
+    browser: Browser, base_url: str, person: Broker
+) -> None:
+    """Claude Code's approval for an edit names the file; the folder is the session's."""
+    q = approval_question("Edit", {"file_path": "/srv/repo/app.py", "old_string": "a"}, "Claude")
+    await person.sessions.create("edit", "scripted", "approval", {}, work_folder="/srv/repo")
+    await person.ask("edit", "approval", [q.wire()])
+    page = await open_inbox(browser, base_url, width=360)
+    await expect(entry(page, "edit")).to_contain_text("Edit: /srv/repo/app.py")
+    await entry(page, "edit").click()
+    facts = page.locator("dl.facts")
+    await expect(facts.locator("dt")).to_have_text(["Tool", "File", "Folder"])
+    await expect(facts.locator("pre.cmd")).to_have_text("/srv/repo/app.py")
+    await expect(facts.locator("code.cwd")).to_have_text("/srv/repo")
+    await page.get_by_role("button", name="← All waiting prompts").click()
+    await expect(entry(page, "edit")).to_be_visible()  # one pane at a time on a phone
