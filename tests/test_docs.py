@@ -220,8 +220,8 @@ OUTSIDE_DOCS = re.compile(r"\bDESIGN\b|\bSTYLE\.md\b|reference-behaviour|interac
 #: A path that climbs out of its folder, or one that starts at a top-level folder of the repo
 #: (or at the outside folders such references used to name).
 PATH = re.compile(
-    r"(?<![\w/$~.{<-])((?:\.\./)+[\w./-]*[\w/]|(?:broker|workers|web|tests|bench|docs|scripts|"
-    r"spec|shared)/[\w./-]*[\w/])"
+    r"(?<![\w/$~.{<-])((?:\.\./)+[\w./*-]*[\w/*]|(?:broker|workers|web|tests|bench|docs|scripts|"
+    r"spec|shared)/[\w./*-]*[\w/*])"
 )
 #: A Markdown file named on its own (`README.md`).
 MD_NAME = re.compile(r"(?<![\w/.-])([\w-]+\.md)\b")
@@ -296,6 +296,9 @@ def problems(path: Path, text: str) -> list[str]:
         target = (path.parent / ref if ref.startswith("..") else ROOT / ref).resolve()
         if not _inside(target):
             found.append(f"{ref} leaves the repository")
+        elif "*" in ref:  # a glob (`tests/test_guards_*.py`): it must match something
+            if not any(ROOT.glob(str(target.relative_to(ROOT)))):
+                found.append(f"{ref} matches no file")
         elif not target.exists():
             found.append(f"{ref} does not exist")
     for m in MD_NAME.finditer(text):
@@ -359,6 +362,8 @@ def test_references_stay_inside_the_repository() -> None:
         ("see spec/reference-behaviour.md", True),
         ("built by broker/scripts.py", True),
         ("see docs/nowhere.md", True),
+        ("the tests in tests/nothing_*.py", True),
+        ("the tests in tests/test_docs*.py", False),
         ("see NOWHERE.md", True),
         ("see broker/_scripts.py and docs/protocol.md", False),
         ("# noqa: E" + "402 - after sys.path", False),
