@@ -77,6 +77,8 @@ async def test_health_ready_openapi(http: httpx.AsyncClient) -> None:
         "/v1/events",
         "/v1/threads/{thread_id}/events",
         "/v1/session",
+        "/v1/webhooks",
+        "/v1/webhooks/failed/{delivery}/replay",
     ):
         assert path in paths
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -210,3 +211,126 @@ async def test_the_broker_writes_events_whoever_acts(url: str, broker: Broker) -
         cancelled = await s.event(1.0)
         assert (cancelled.event, cancelled.data["prompt_id"]) == ("prompt.cancelled", q.prompt_id)
         assert cancelled.data["reason"] == "not needed"
+
+
+# -- webhooks ----------------------------------------------------------------------------------
+
+SECRET = "hook-secret-0123456789"
+
+
+class Flaky:
+    """Wraps the example receiver: fails the first `fail` deliveries with a 500."""
+
+    def __init__(self, receiver: Any, fail: int) -> None:
+        self.receiver, self.fail, self.calls = receiver, fail, 0
+
+    async def handle(self, request: Any) -> Any:
+        from starlette.responses import PlainTextResponse
+
+        self.calls += 1
+        if self.calls <= self.fail:
+            return PlainTextResponse("down", 500)
+        return await self.receiver.handle(request)
+
+
+async def _with_hooks(broker: Broker, hook_url: str, tries: int = 4) -> Any:
+    from web.webhooks import Webhook
+
+    hook = Webhook(id="chat", url=hook_url, secret=SECRET)
+    admin = Identity.model_validate({"name": "root", "token": ALICE, "scopes": ["admin"]})
+    return create_app(
+        ApiSettings(tokens=(admin,), webhooks=(hook,)),
+        broker=broker,
+        webhook_options={"retry_delay": 0.1, "tries": tries},
+    )
+
+
+async def test_webhooks_signed_retried_and_deduplicated(broker: Broker) -> None:
+    """Prompt events reach a subscriber signed; failed attempts are retried with the same
+    delivery id; the example receiver turns them into chat messages with answer links."""
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from web.receiver import Receiver
+
+    receiver = Receiver(SECRET, "http://inbox.example")
+    flaky = Flaky(receiver, fail=2)
+    target = Starlette(routes=[Route("/hook", flaky.handle, methods=["POST"])])
+    async with (
+        serving(target) as hook_base,
+        serving(await _with_hooks(broker, f"{hook_base}/hook")),
+    ):
+        p = await broker.ask("t", "approval", [APPROVAL])
+        await broker.post_item("t", {"author": "bob", "content": [{"type": "text", "text": "1"}]})
+        for _ in range(100):
+            if len(receiver.messages) == 2:
+                break
+            await asyncio.sleep(0.05)
+    assert receiver.messages == [
+        f"[t] a approval waits on you: answer at http://inbox.example/#/threads/t/prompts/{p.prompt_id}",
+        f"[t] answered by bob (http://inbox.example/#/threads/t/prompts/{p.prompt_id})",
+    ]
+    assert flaky.calls >= 4  # two failures, retried, then both delivered
+
+
+async def test_the_receiver_checks_signatures_and_dedupes() -> None:
+    """The example receiver refuses a bad signature or an old timestamp, and says a repeated
+    delivery (a retry whose first attempt did arrive) once."""
+    from web.receiver import Receiver
+    from web.webhooks import sign
+
+    receiver = Receiver(SECRET, "http://inbox")
+    app = receiver.app()
+    async with serving(app) as base, httpx.AsyncClient(base_url=base) as c:
+        now = int(time.time())
+        body = b'{"event": "prompt.opened"}'
+        good = {"X-Prompt-Broker-Timestamp": str(now), "X-Prompt-Broker-Delivery": "d1"}
+        bad = await c.post(
+            "/hook", content=body, headers={**good, "X-Prompt-Broker-Signature": "v1=00"}
+        )
+        assert bad.status_code == 401
+        old = {**good, "X-Prompt-Broker-Timestamp": str(now - 3600)}
+        old["X-Prompt-Broker-Signature"] = sign(SECRET, now - 3600, body)
+        assert (await c.post("/hook", content=body, headers=old)).status_code == 400
+        signed = {**good, "X-Prompt-Broker-Signature": sign(SECRET, now, body)}
+        assert (await c.post("/hook", content=body, headers=signed)).status_code == 200
+        assert (await c.post("/hook", content=body, headers=signed)).status_code == 200
+        assert len(receiver.messages) == 1
+
+
+async def test_failed_deliveries_are_kept_listed_and_replayed(broker: Broker) -> None:
+    """A subscriber that never answers 2xx: after the last try the delivery is kept, listed
+    to an admin, and a replay delivers it once the subscriber is back."""
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from web.receiver import Receiver
+
+    receiver = Receiver(SECRET, "http://inbox")
+    flaky = Flaky(receiver, fail=10**9)
+    target = Starlette(routes=[Route("/hook", flaky.handle, methods=["POST"])])
+    headers = {"Authorization": f"Bearer {ALICE}"}
+    async with (
+        serving(target) as hook_base,
+        serving(await _with_hooks(broker, f"{hook_base}/hook", tries=2)) as base,
+        httpx.AsyncClient(base_url=base, headers=headers) as c,
+    ):
+        p = await broker.ask("t", "approval", [APPROVAL])
+        failed: list[Any] = []
+        for _ in range(100):
+            failed = (await c.get("/v1/webhooks")).json()["failed"]
+            if failed:
+                break
+            await asyncio.sleep(0.05)
+        assert len(failed) == 1 and failed[0]["payload"]["prompt_id"] == p.prompt_id
+        assert failed[0]["tries"] == 2 and failed[0]["error"] == "HTTP 500"
+        flaky.fail = 0
+        delivery = failed[0]["delivery"]
+        assert (await c.post(f"/v1/webhooks/failed/{delivery}/replay")).status_code == 200
+        for _ in range(100):
+            if receiver.messages:
+                break
+            await asyncio.sleep(0.05)
+        assert len(receiver.messages) == 1 and p.prompt_id in receiver.messages[0]
+        assert (await c.get("/v1/webhooks")).json()["failed"] == []
+        assert (await c.post(f"/v1/webhooks/failed/{delivery}/replay")).status_code == 404

@@ -29,6 +29,7 @@ from web import idempotency, sse
 from web.auth import COOKIE, Caller, Gate
 from web.errors import ApiError, bad, from_broker, json_response
 from web.settings import ApiSettings
+from web.webhooks import Dispatcher
 
 __all__ = ["Api"]
 
@@ -114,11 +115,19 @@ def session_json(session: Session | None) -> dict[str, Any] | None:
 class Api:
     """The handlers, over one Broker and the identity gate."""
 
-    def __init__(self, broker: Broker, settings: ApiSettings, gate: Gate, hub: sse.EventHub):
+    def __init__(
+        self,
+        broker: Broker,
+        settings: ApiSettings,
+        gate: Gate,
+        hub: sse.EventHub,
+        hooks: Dispatcher | None = None,
+    ):
         self.broker = broker
         self.settings = settings
         self.gate = gate
         self.hub = hub
+        self.hooks = hooks
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -407,6 +416,23 @@ class Api:
         response = Response(status_code=204)
         response.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
         return response
+
+    # -- webhooks ------------------------------------------------------------------------------
+
+    async def webhooks(self, request: Request) -> Response:
+        self.gate.require(request, "admin")
+        subscribed = [
+            {"id": h.id, "url": h.url, "events": list(h.events)} for h in self.settings.webhooks
+        ]
+        failed = await self.hooks.failures() if self.hooks else []
+        return json_response({"webhooks": subscribed, "failed": failed})
+
+    async def replay_webhook(self, request: Request) -> Response:
+        self.gate.require(request, "admin")
+        delivery = request.path_params["delivery"]
+        if self.hooks is None or not await self.hooks.replay(delivery):
+            raise ApiError(404, "not_found", f"no failed delivery {delivery!r}")
+        return json_response({"replayed": delivery})
 
     # -- events --------------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from web.errors import ApiError, error_response, from_broker, json_response
 from web.openapi import document
 from web.settings import ApiSettings, broker_settings
 from web.sse import EventHub
+from web.webhooks import Dispatcher
 
 __all__ = ["SECURITY_HEADERS", "STATIC", "create_app"]
 
@@ -149,6 +150,7 @@ def create_app(
     settings: Settings | None = None,
     *,
     broker: Broker | None = None,
+    webhook_options: dict[str, Any] | None = None,
 ) -> Starlette:
     """The app. With `broker` (tests), it serves that Broker and leaves it open at shutdown;
     otherwise it opens its own from `settings` (default: the environment) when it starts."""
@@ -159,6 +161,7 @@ def create_app(
         # Its items would be the broker's own: never answers, and free to forge audit items.
         raise BadItem("PROMPT_BROKER_API_TOKENS", f"no token may be named {identity!r}")
     gate = Gate(api_settings)
+    webhook_options = webhook_options or {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -166,10 +169,16 @@ def create_app(
         b = broker or Broker.from_url(settings=settings)
         hub = EventHub(b.redis, b.keys)
         await hub.start()
-        app.state.api = Api(b, api_settings, gate, hub)
+        hooks = None
+        if api_settings.webhooks:
+            hooks = Dispatcher(b.redis, b.keys, api_settings.webhooks, **webhook_options)
+            await hooks.start()
+        app.state.api = Api(b, api_settings, gate, hub, hooks)
         try:
             yield
         finally:
+            if hooks is not None:
+                await hooks.aclose()
             await hub.aclose()
             if own:
                 await b.aclose()
@@ -190,6 +199,8 @@ def create_app(
         Route("/v1/threads/{thread_id}/prompts/{prompt_id}", handler("get_prompt")),
         Route("/v1/threads/{thread_id}/items", handler("post_item"), methods=["POST"]),
         Route("/v1/threads/{thread_id}/cancel", handler("cancel"), methods=["POST"]),
+        Route("/v1/webhooks", handler("webhooks")),
+        Route("/v1/webhooks/failed/{delivery}/replay", handler("replay_webhook"), methods=["POST"]),
         Mount("/static", StaticFiles(directory=STATIC, check_dir=False), name="static"),
     ]
     return Starlette(

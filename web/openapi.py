@@ -260,6 +260,23 @@ def document() -> dict[str, Any]:
                     **write,
                 }
             },
+            "/v1/webhooks": _read(
+                "webhook subscriptions and kept failures (admin)",
+                _json({"type": "object"}, "`{webhooks: [...], failed: [...]}`"),
+            ),
+            "/v1/webhooks/failed/{delivery}/replay": {
+                "post": {
+                    "summary": "deliver a kept failure again (admin)",
+                    "parameters": [
+                        {"name": "delivery", "in": "path", "required": True, "schema": {}}
+                    ],
+                    "responses": {
+                        "200": _json({"type": "object"}, "`{replayed: <delivery>}`"),
+                        **_errors(401, 403, 404),
+                    },
+                    **write,
+                }
+            },
             "/v1/events": _read("every visible thread's prompt events", _SSE),
             "/v1/threads/{thread_id}/events": _read(
                 "one thread's prompt events", _SSE, parameters=[_THREAD]

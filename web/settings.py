@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from broker.errors import BadItem
 from broker.settings import Settings
+from web.webhooks import Webhook
 
 __all__ = [
     "ENV_PREFIX",
@@ -90,6 +91,9 @@ class ApiSettings(BaseModel):
     session_ttl: int = Field(
         12 * 3600, ge=60, description="seconds a web sign-in (the session cookie) lasts"
     )
+    webhooks: tuple[Webhook, ...] = Field(
+        (), description="webhook subscriptions (a JSON list, or the path of a file holding one)"
+    )
     session_secret: str = Field(
         "",
         description="the key session cookies are signed with: the same on every copy behind a "
@@ -104,6 +108,9 @@ class ApiSettings(BaseModel):
             raise ValueError("two tokens have the same name")
         if len(set(hashes)) != len(hashes):
             raise ValueError("two identities have the same token")
+        hooks = [h.id for h in self.webhooks]
+        if len(set(hooks)) != len(hooks):
+            raise ValueError("two webhooks have the same id")
         return self
 
     @classmethod
@@ -118,7 +125,7 @@ class ApiSettings(BaseModel):
             if field not in cls.model_fields:
                 known = ", ".join(ENV_PREFIX + f.upper() for f in cls.model_fields)
                 raise BadItem(name, f"unknown setting (known: {known})")
-            values[field] = load_tokens(value) if field == "tokens" else value
+            values[field] = load_tokens(value, name) if field in ("tokens", "webhooks") else value
         values.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return cls.model_validate(values)
@@ -129,10 +136,9 @@ class ApiSettings(BaseModel):
             raise BadItem(where, err["msg"]) from None
 
 
-def load_tokens(value: str) -> Any:
+def load_tokens(value: str, field: str = ENV_PREFIX + "TOKENS") -> Any:
     """The JSON list itself, or (not starting with `[`) the path of a file that holds it."""
     text = value.strip()
-    field = ENV_PREFIX + "TOKENS"
     if not text.startswith("["):
         try:
             text = Path(text).expanduser().read_text(encoding="utf-8")
@@ -143,7 +149,7 @@ def load_tokens(value: str) -> Any:
     except orjson.JSONDecodeError as e:
         raise BadItem(field, f"not valid JSON ({e})") from None
     if not isinstance(parsed, list):
-        raise BadItem(field, "expected a JSON list of {name, token_sha256, scopes, threads}")
+        raise BadItem(field, "expected a JSON list of objects")
     return parsed
 
 

@@ -1,0 +1,75 @@
+"""An example webhook receiver: checks each delivery's signature, drops repeats, and turns the
+events into chat-style messages with a link to answer in the inbox.
+
+    uvicorn --factory web.receiver:from_env   # RECEIVER_SECRET, INBOX_URL (http://127.0.0.1:8420)
+
+A real one would post `messages` to a chat; this one keeps them in a list (and logs them).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from web.webhooks import sign
+
+__all__ = ["Receiver", "from_env"]
+
+logger = logging.getLogger("web.receiver")
+
+#: Deliveries signed longer ago than this are refused: a captured one cannot be replayed later.
+MAX_AGE = 300
+
+
+class Receiver:
+    """The receiver's state: what it said, and the deliveries it has seen (its dedupe)."""
+
+    def __init__(self, secret: str, inbox_url: str) -> None:
+        self.secret = secret
+        self.inbox_url = inbox_url.rstrip("/")
+        self.messages: list[str] = []
+        self.seen: set[str] = set()
+
+    def message(self, event: dict[str, Any]) -> str:
+        thread, prompt = event.get("thread_id", "?"), event.get("prompt_id", "?")
+        link = f"{self.inbox_url}/#/threads/{thread}/prompts/{prompt}"
+        name = event.get("event")
+        if name == "prompt.opened":
+            return f"[{thread}] a {event.get('kind', 'prompt')} waits on you: answer at {link}"
+        if name == "prompt.answered":
+            return f"[{thread}] answered by {event.get('answered_by') or 'someone'} ({link})"
+        return f"[{thread}] cancelled: {event.get('reason') or 'no reason given'} ({link})"
+
+    async def handle(self, request: Request) -> Response:
+        body = await request.body()
+        stamp = request.headers.get("x-prompt-broker-timestamp", "")
+        given = request.headers.get("x-prompt-broker-signature", "")
+        delivery = request.headers.get("x-prompt-broker-delivery", "")
+        if not stamp.isascii() or not stamp.isdigit() or abs(time.time() - int(stamp)) > MAX_AGE:
+            return PlainTextResponse("stale or missing timestamp", 400)
+        if not hmac.compare_digest(given, sign(self.secret, int(stamp), body)):
+            return PlainTextResponse("bad signature", 401)
+        if delivery in self.seen:
+            return PlainTextResponse("already had it")  # at least once: a retry repeats
+        self.seen.add(delivery)
+        text = self.message(orjson.loads(body))
+        self.messages.append(text)
+        logger.info("receiver.message", extra={"text": text})
+        return PlainTextResponse("ok")
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[Route("/hook", self.handle, methods=["POST"])])
+
+
+def from_env() -> Starlette:
+    secret = os.environ["RECEIVER_SECRET"]
+    return Receiver(secret, os.environ.get("INBOX_URL", "http://127.0.0.1:8420")).app()

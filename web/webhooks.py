@@ -1,0 +1,262 @@
+"""Webhooks: prompt events POSTed to subscribers, signed, retried, delivered at least once.
+
+Subscriptions come from `PROMPT_BROKER_API_WEBHOOKS` (a JSON list, or the path of a file)::
+
+    [{"id": "chat", "url": "https://chat.example/hooks/pb", "secret": "...16+ chars...",
+      "events": ["prompt.opened", "prompt.answered", "prompt.cancelled"]}]
+
+Every `serve` copy reads the event log through one Redis consumer group (`webhooks`), so each
+event is taken by one copy; for each subscription that wants it, an arq job is enqueued with
+the job id `<prefix>:wh:<subscription>:<event id>` (enqueued twice, it runs once), and only
+then is the event acknowledged. Each copy also runs an arq worker on that queue.
+
+A delivery is `POST <url>` with the event as JSON and these headers:
+
+- `X-Prompt-Broker-Event`: the event name;
+- `X-Prompt-Broker-Delivery`: `<subscription>:<event id>`, the same on every retry: a receiver
+  dedupes on it (delivery is at least once);
+- `X-Prompt-Broker-Timestamp`: unix seconds when this attempt was signed;
+- `X-Prompt-Broker-Signature`: `v1=` + hex HMAC-SHA256 of `<timestamp>.<body>` under the
+  subscription's secret. A receiver recomputes it and refuses a stale timestamp.
+
+A 2xx answer is delivered. Anything else (or no answer in 10 s) is retried with backoff (2, 4,
+8 ... 300 s) up to `TRIES` attempts; then it is kept in `<prefix>:webhooks:failed` (a hash by
+delivery id), listed by `GET /v1/webhooks` and replayed by
+`POST /v1/webhooks/failed/{delivery}/replay` (the admin scope).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import httpx
+import orjson
+from arq.connections import ArqRedis
+from arq.utils import poll
+from arq.worker import Retry, Worker, func
+from pydantic import BaseModel, ConfigDict, Field
+from redis.asyncio import Redis
+from redis.exceptions import RedisError, ResponseError
+
+from broker import events
+from broker.events import EventName
+from broker.keys import Keys
+
+__all__ = ["TRIES", "Dispatcher", "Webhook", "sign"]
+
+logger = logging.getLogger("web.webhooks")
+
+TRIES = 8
+_GROUP = "webhooks"
+_JOB = "deliver_webhook"
+_EVENT_NAMES: tuple[EventName, ...] = (
+    "prompt.opened",
+    "prompt.answered",
+    "prompt.cancelled",
+)
+
+
+class Webhook(BaseModel):
+    """One subscription: where to POST, which events, the secret that signs them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    url: str = Field(pattern=r"^https?://[^\s]+$", max_length=2000)
+    secret: str = Field(min_length=16, max_length=256)
+    events: tuple[EventName, ...] = _EVENT_NAMES
+
+
+def sign(secret: str, timestamp: int, body: bytes) -> str:
+    """The signature header's value for one attempt."""
+    mac = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256)
+    return "v1=" + mac.hexdigest()
+
+
+class _Worker(Worker):
+    """arq's worker loop without its start-up INFO log (which not every server answers: the
+    embedded fakeredis one does not); the pool is ours, so nothing else in `main` applies."""
+
+    async def main(self) -> None:
+        self.ctx["redis"] = self.pool
+        async for _ in poll(self.poll_delay_s):
+            await self._poll_iteration()
+
+
+def _backoff(tries: int) -> float:
+    return float(min(300, 2**tries))
+
+
+def _arq_pool(redis: Redis) -> ArqRedis:
+    """arq reads bytes: a pool like `redis`'s (same server and options) that does not decode."""
+    pool = redis.connection_pool
+    kwargs = {**pool.connection_kwargs, "decode_responses": False}
+    twin = type(pool)(
+        connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
+    )
+    return ArqRedis(connection_pool=twin)
+
+
+class Dispatcher:
+    """Feeds events to arq jobs and runs the worker that delivers them (one per `serve`)."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        hooks: tuple[Webhook, ...],
+        *,
+        retry_delay: float | None = None,
+        tries: int = TRIES,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.hooks = {h.id: h for h in hooks}
+        self.queue = f"{keys.prefix}:webhooks:queue"
+        self.failed_key = f"{keys.prefix}:webhooks:failed"
+        self.consumer = f"{socket.gethostname()}-{os.getpid()}"
+        self.tries = tries
+        self._retry_delay = retry_delay  # tests shorten the backoff
+        self._arq = _arq_pool(redis)
+        self._http = httpx.AsyncClient(timeout=10)
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._worker: Worker | None = None
+
+    async def start(self) -> None:
+        with contextlib.suppress(ResponseError):  # BUSYGROUP: another copy made it
+            await self.redis.xgroup_create(
+                events.event_key(self.keys), _GROUP, id="$", mkstream=True
+            )
+        self._worker = _Worker(
+            [func(self._deliver, name=_JOB, max_tries=self.tries)],
+            redis_pool=self._arq,
+            queue_name=self.queue,
+            handle_signals=False,
+            poll_delay=0.1,
+            keep_result=0,
+            max_jobs=20,
+            job_timeout=30,
+            log_results=False,
+        )
+        self._tasks = [
+            asyncio.create_task(self._feed()),
+            asyncio.create_task(self._worker.main()),
+        ]
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._worker is not None:
+            with contextlib.suppress(Exception):
+                await self._worker.close()
+        await self._http.aclose()
+        await self._arq.aclose(close_connection_pool=True)
+
+    # -- feeding -----------------------------------------------------------------------------
+
+    async def _feed(self) -> None:
+        """Take events for this copy from the group: its own unacknowledged ones first (a
+        restart after enqueueing but before acknowledging), then new ones."""
+        start = "0"
+        while True:
+            try:
+                reply = await self.redis.xreadgroup(
+                    _GROUP, self.consumer, {events.event_key(self.keys): start}, 100, 2000
+                )
+                entries = [e for _, batch in reply or [] for e in batch]
+                for entry_id, fields in entries:
+                    if fields:  # a pending entry trimmed from the log comes back empty
+                        await self._enqueue(events.Event(entry_id, *_parts(fields)))
+                    await self.redis.xack(events.event_key(self.keys), _GROUP, entry_id)
+                if start == "0" and not entries:
+                    start = ">"
+            except (RedisError, OSError) as e:
+                logger.warning("webhooks.feed_failed", extra={"error": repr(e)})
+                await asyncio.sleep(1)
+
+    async def _enqueue(self, event: events.Event, *, suffix: str = "") -> None:
+        payload = {
+            "id": event.id,
+            "event": event.name,
+            "thread_id": event.thread_id,
+            "prompt_id": event.prompt_id,
+            "at_ms": event.at_ms,
+            **event.data,
+        }
+        for hook in self.hooks.values():
+            if event.name in hook.events:
+                job_id = f"{self.keys.prefix}:wh:{hook.id}:{event.id}{suffix}"
+                await self._arq.enqueue_job(
+                    _JOB, hook.id, payload, _job_id=job_id, _queue_name=self.queue
+                )
+
+    # -- delivering --------------------------------------------------------------------------
+
+    async def _deliver(self, ctx: dict[str, Any], hook_id: str, payload: dict[str, Any]) -> str:
+        hook = self.hooks.get(hook_id)
+        delivery = f"{hook_id}:{payload['id']}"
+        if hook is None:
+            return "unsubscribed"
+        body = orjson.dumps(payload)
+        now = int(time.time())
+        headers = {
+            "Content-Type": "application/json",
+            "X-Prompt-Broker-Event": str(payload["event"]),
+            "X-Prompt-Broker-Delivery": delivery,
+            "X-Prompt-Broker-Timestamp": str(now),
+            "X-Prompt-Broker-Signature": sign(hook.secret, now, body),
+        }
+        try:
+            r = await self._http.post(hook.url, content=body, headers=headers)
+            problem = "" if 200 <= r.status_code < 300 else f"HTTP {r.status_code}"
+        except httpx.HTTPError as e:
+            problem = f"{type(e).__name__}: {e}"
+        if not problem:
+            return "delivered"
+        tries = int(ctx.get("job_try", 1))
+        if tries < self.tries:
+            delay = self._retry_delay if self._retry_delay is not None else _backoff(tries)
+            raise Retry(defer=delay)
+        record = {"hook": hook_id, "payload": payload, "error": problem, "tries": tries}
+        await self.redis.hset(self.failed_key, delivery, orjson.dumps(record).decode())  # type: ignore[misc]
+        logger.warning("webhooks.failed", extra={"delivery": delivery, "error": problem})
+        return "failed"
+
+    # -- failures ----------------------------------------------------------------------------
+
+    async def failures(self) -> list[dict[str, Any]]:
+        raw: dict[str, str] = await self.redis.hgetall(self.failed_key)  # type: ignore[misc]
+        return [{"delivery": k, **orjson.loads(v)} for k, v in sorted(raw.items())]
+
+    async def replay(self, delivery: str) -> bool:
+        """Deliver a kept failure again (a fresh job, its delivery id unchanged)."""
+        raw = await self.redis.hget(self.failed_key, delivery)  # type: ignore[misc]
+        if raw is None:
+            return False
+        record = orjson.loads(raw)
+        payload = record["payload"]
+        job_id = f"{self.keys.prefix}:wh:{record['hook']}:{payload['id']}:replay:{time.time_ns()}"
+        await self._arq.enqueue_job(
+            _JOB, record["hook"], payload, _job_id=job_id, _queue_name=self.queue
+        )
+        await self.redis.hdel(self.failed_key, delivery)  # type: ignore[misc]
+        return True
+
+
+def _parts(fields: dict[str, Any]) -> tuple[str, str, str, dict[str, Any]]:
+    data = orjson.loads(fields.get("data") or "{}")
+    return (
+        fields["event"],
+        fields["thread"],
+        fields["prompt"],
+        data if isinstance(data, dict) else {},
+    )
