@@ -9,6 +9,7 @@ with scripted agents on in-process replicas where an agent must continue. Set
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import sys
@@ -505,3 +506,54 @@ async def test_a_claude_edit_shows_the_file_and_the_session_folder(
     await expect(facts.locator("code.cwd")).to_have_text("/srv/repo")
     await page.get_by_role("button", name="← All waiting prompts").click()
     await expect(entry(page, "edit")).to_be_visible()  # one pane at a time on a phone
+
+
+async def test_the_inbox_served_by_prompt_broker_serve(
+    browser: Browser, person: Broker, real_redis_url: str
+) -> None:
+    """The same page from the real `prompt-broker serve` process (its own Broker on Redis)."""
+    from tests.conftest import free_port
+
+    port = free_port()
+    env = os.environ | {
+        "PROMPT_BROKER_REDIS_URL": real_redis_url,
+        "PROMPT_BROKER_KEY_PREFIX": person.settings.key_prefix,
+        "PROMPT_BROKER_API_TOKENS": json.dumps(
+            [{"name": "alice", "token": ALICE, "scopes": ["read", "answer"]}]
+        ),
+    }
+    cli = Path(sys.executable).with_name("prompt-broker")
+    proc = await asyncio.create_subprocess_exec(
+        str(cli),
+        "serve",
+        "--port",
+        str(port),
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await until(lambda: _ready(base), "prompt-broker serve to be ready", within=20)
+        p = await person.ask("served", "approval", [_approval("make release")])
+        page = await open_inbox(browser, base)
+        await entry(page, "served").click()
+        await expect(page.locator("pre.cmd")).to_have_text("make release")
+        await page.keyboard.press("a")
+        await expect(page.locator("#note")).to_contain_text("Sent.")
+        got = await person.get_prompt("served", p.prompt_id)
+        assert got.state == "answered" and got.answers is not None
+        assert got.answers[0].answer == ["Approve"]
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 15)
+
+
+async def _ready(base: str) -> bool:
+    import httpx
+
+    try:
+        async with httpx.AsyncClient() as client:
+            return (await client.get(base + "/readyz", timeout=1)).status_code == 200
+    except httpx.HTTPError:
+        return False
