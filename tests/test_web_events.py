@@ -233,7 +233,7 @@ class Flaky:
         return await self.receiver.handle(request)
 
 
-async def _with_hooks(broker: Broker, hook_url: str, tries: int = 4) -> Any:
+async def _with_hooks(broker: Broker, hook_url: str, tries: int = 4, **options: Any) -> Any:
     from web.webhooks import Webhook
 
     hook = Webhook(id="chat", url=hook_url, secret=SECRET)
@@ -241,7 +241,7 @@ async def _with_hooks(broker: Broker, hook_url: str, tries: int = 4) -> Any:
     return create_app(
         ApiSettings(tokens=(admin,), webhooks=(hook,)),
         broker=broker,
-        webhook_options={"retry_delay": 0.1, "tries": tries},
+        webhook_options={"retry_delay": 0.1, "tries": tries, **options},
     )
 
 
@@ -334,3 +334,28 @@ async def test_failed_deliveries_are_kept_listed_and_replayed(broker: Broker) ->
         assert len(receiver.messages) == 1 and p.prompt_id in receiver.messages[0]
         assert (await c.get("/v1/webhooks")).json()["failed"] == []
         assert (await c.post(f"/v1/webhooks/failed/{delivery}/replay")).status_code == 404
+
+
+async def test_an_event_a_dead_copy_took_is_delivered(broker: Broker) -> None:
+    """An event another serve copy read from the group but never acknowledged (it died) is
+    claimed and delivered by a live one."""
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from web.receiver import Receiver
+
+    p = await broker.ask("t", "approval", [APPROVAL])
+    key = events.event_key(broker.keys)
+    await broker.redis.xgroup_create(key, "webhooks", id="0", mkstream=True)
+    taken = await broker.redis.xreadgroup("webhooks", "dead-copy", {key: ">"}, 10)
+    assert taken and taken[0][1]  # the dead copy holds it, unacknowledged
+    receiver = Receiver(SECRET, "http://inbox")
+    target = Starlette(routes=[Route("/hook", receiver.handle, methods=["POST"])])
+    async with serving(target) as hook_base:
+        app = await _with_hooks(broker, f"{hook_base}/hook", claim_idle_ms=0, claim_every=0.1)
+        async with serving(app):
+            for _ in range(100):
+                if receiver.messages:
+                    break
+                await asyncio.sleep(0.05)
+    assert len(receiver.messages) == 1 and p.prompt_id in receiver.messages[0]

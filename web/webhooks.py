@@ -116,6 +116,8 @@ class Dispatcher:
         *,
         retry_delay: float | None = None,
         tries: int = TRIES,
+        claim_idle_ms: int = 60_000,
+        claim_every: float = 30.0,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -124,6 +126,8 @@ class Dispatcher:
         self.failed_key = f"{keys.prefix}:webhooks:failed"
         self.consumer = f"{socket.gethostname()}-{os.getpid()}"
         self.tries = tries
+        self._claim_idle_ms = claim_idle_ms  # an entry unacknowledged this long was abandoned
+        self._claim_every = claim_every
         self._retry_delay = retry_delay  # tests shorten the backoff
         self._arq = _arq_pool(redis)
         self._http = httpx.AsyncClient(timeout=10)
@@ -164,24 +168,30 @@ class Dispatcher:
     # -- feeding -----------------------------------------------------------------------------
 
     async def _feed(self) -> None:
-        """Take events for this copy from the group: its own unacknowledged ones first (a
-        restart after enqueueing but before acknowledging), then new ones."""
-        start = "0"
+        """Take events for this copy from the group, and now and then those another copy took
+        but never acknowledged (it died between reading and enqueueing): at least once."""
+        key = events.event_key(self.keys)
+        claimed_at = 0.0
         while True:
             try:
-                reply = await self.redis.xreadgroup(
-                    _GROUP, self.consumer, {events.event_key(self.keys): start}, 100, 2000
-                )
-                entries = [e for _, batch in reply or [] for e in batch]
-                for entry_id, fields in entries:
-                    if fields:  # a pending entry trimmed from the log comes back empty
-                        await self._enqueue(events.Event(entry_id, *_parts(fields)))
-                    await self.redis.xack(events.event_key(self.keys), _GROUP, entry_id)
-                if start == "0" and not entries:
-                    start = ">"
+                if time.monotonic() - claimed_at >= self._claim_every:
+                    claimed_at = time.monotonic()
+                    reply = await self.redis.xautoclaim(
+                        key, _GROUP, self.consumer, self._claim_idle_ms, "0-0", count=100
+                    )
+                    await self._take(reply[1])
+                reply = await self.redis.xreadgroup(_GROUP, self.consumer, {key: ">"}, 100, 2000)
+                await self._take([e for _, batch in reply or [] for e in batch])
             except (RedisError, OSError) as e:
                 logger.warning("webhooks.feed_failed", extra={"error": repr(e)})
                 await asyncio.sleep(1)
+
+    async def _take(self, entries: list[Any]) -> None:
+        """Enqueue each entry's deliveries, then acknowledge it (never before)."""
+        for entry_id, fields in entries:
+            if fields:  # a pending entry trimmed from the log comes back empty
+                await self._enqueue(events.Event(entry_id, *_parts(fields)))
+            await self.redis.xack(events.event_key(self.keys), _GROUP, entry_id)
 
     async def _enqueue(self, event: events.Event, *, suffix: str = "") -> None:
         payload = {
