@@ -284,6 +284,14 @@ def test_tokens_from_env_json_and_file(tmp_path: Path) -> None:
             "PROMPT_BROKER_API_TOKENS[0][scopes][0]",
         ),
         ({"PROMPT_BROKER_API_PORT": "http"}, "PROMPT_BROKER_API_PORT"),
+        (
+            {
+                "PROMPT_BROKER_API_WEBHOOKS": '[{"id": "x", "url": "ftp://x", '
+                '"secret": "0123456789abcdef"}]'
+            },
+            "PROMPT_BROKER_API_WEBHOOKS[0][url]",
+        ),
+        ({"PROMPT_BROKER_API_WEBHOOKS": "[1]"}, "PROMPT_BROKER_API_WEBHOOKS[0]"),
     ],
 )
 def test_bad_configuration_fails_loudly(env: dict[str, str], field: str) -> None:
