@@ -32,7 +32,10 @@ and its words), wherever they sit: in lists and pipelines, `$(...)`, backticks, 
 `if`/`for`/`while`/`case` bodies, subshells, `{ ...; }`, function bodies, and the scripts of
 `bash -c '...'`, `eval '...'`, a here-document fed to a shell, `find -exec`, `xargs` and git
 aliases (`git -c alias.x=...`), to a nesting depth of `MAX_DEPTH`. A command longer than
-`MAX_COMMAND` characters is not parsed at all.
+`MAX_COMMAND` characters is not parsed at all. Where the tree shows signs that the grammar
+read the command otherwise than bash would (a parse error, a blank or newline inside a word, a
+newline inside one command, a reserved word as a command name), deny rules also see the command
+cut at every character that can end a command, and it counts as not fully seen.
 
 - An `exec` **allow** rule with globs allows only what it can prove: every simple command in the
   tree, and the whole string, matches one of its globs (`*` never matches a newline, so an
