@@ -1,7 +1,7 @@
 """The HTTP API's figures, each beside its floor in the same run, on a private redis-server.
 
 1. An answer over HTTP: the POST to `prompt-broker serve` sent -> the agent's `wait` returning,
-   p50/p99, beside the library's own `post_item` -> `wait` (the floor); the issue's bound is at
+   p50/p99, beside the library's own `post_item` -> `wait` (the floor); the target is at
    most 1.5 ms added at p50.
 2. SSE fan-out: N clients on one `serve` process; a prompt asked -> all N having its
    `prompt.opened` event, p50/p99 over rounds; the server's memory per connection (RSS delta).
