@@ -4,6 +4,9 @@ fakeredis and a real redis-server.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import cast
+
 import pytest
 
 from broker import Broker, Fenced, Item
@@ -15,6 +18,8 @@ from tests.test_policy import bash, guard, rule
 from tests.test_replica import ASK, Fleet, active, start_thread
 from tests.test_waiter import NEVER
 from workers import audit
+from workers.harness import approval_question
+from workers.replica import Replica, _Handle, _Slot, _Thread
 
 APPROVAL = {"question": "Run `make`?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
 
@@ -152,3 +157,30 @@ async def test_a_grant_replaced_after_the_read_is_not_reported_spent(th: Thread)
     await th.b.redis.hset(th.tk.session, "grant", replaced.model_dump_json())  # type: ignore[misc]
     assert await th.b.sessions.spend_grant(session, EPOCH, "Run it?") is None
     assert await th.items("approval_granted") == 0
+
+
+# -- workers/replica.py: a grant is spent only on a call to its own tool -----------------------
+
+
+async def test_a_keyless_grant_is_spent_only_on_its_own_subject(th: Thread) -> None:
+    """A grant with no key (Codex mints such for calls with no command) covers any call to its
+    subject, and none to another: a call to another tool asks, the grant is kept for its own."""
+    keyless = th.grant.model_copy(update={"grant_key": None})
+    assert (await th.resume("dlv_a", grant=keyless.model_dump_json()))[0] == "resumed"
+    # The handle's grant path alone: its replica and thread are only where it reads the broker,
+    # the thread id and the epoch.
+    handle = _Handle(
+        cast(Replica, SimpleNamespace(broker=th.b)),
+        cast(_Thread, SimpleNamespace(thread_id="t1", epoch=EPOCH)),
+        cast(_Slot, None),
+    )
+    other = approval_question("Write", {"file_path": "/work/x"}).model_copy(
+        update={"grant_key": None}
+    )
+    assert await handle._spend_grant(other) is None
+    assert "grant" in await th.session()
+    own = approval_question("Bash", {"command": "make other"}).model_copy(
+        update={"grant_key": None}
+    )
+    assert await handle._spend_grant(own) is not None
+    assert "grant" not in await th.session()
