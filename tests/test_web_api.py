@@ -567,22 +567,20 @@ async def test_a_real_serve_process(
     assert ALICE.encode() not in out and b"/v1/threads/t/items" in out  # the access log ran
 
 
-async def test_idempotency_after_an_unknown_outcome_waits(broker: Broker) -> None:
-    """A 503 that certainly wrote nothing frees the key (the retry retries); one whose outcome
-    is unknown leaves it claimed, so a quick retry is told to wait instead of posting twice."""
-    from web import idempotency
-    from web.errors import ApiError
-
-    tk = broker.thread("t")
-    for maybe, retry_runs in ((False, True), (True, False)):
-        key = f"k-{maybe}"
-        claim = await idempotency.claim(broker.redis, tk, "alice", key, b"{}")
-        assert isinstance(claim, idempotency.Claim)
-        await idempotency.finish(broker.redis, claim, 503, {}, maybe_written=maybe)
-        if retry_runs:
-            again = await idempotency.claim(broker.redis, tk, "alice", key, b"{}")
-            assert isinstance(again, idempotency.Claim)
-        else:
-            with pytest.raises(ApiError) as e:
-                await idempotency.claim(broker.redis, tk, "alice", key, b"{}")
-            assert e.value.status == 409 and e.value.code == "idempotency_conflict"
+async def test_idempotency_holds_even_without_our_record(
+    http: httpx.AsyncClient, broker: Broker
+) -> None:
+    """The key goes to the library too: were the API's own record of the first answer lost
+    (Redis went away before it was kept), a retry still writes nothing and gets the first
+    outcome."""
+    await broker.ask("t", "approval", [APPROVAL])
+    body = {"content": [{"type": "text", "text": "approve"}]}
+    key = {"Idempotency-Key": "lost-record"}
+    first = await http.post("/v1/threads/t/items", json=body, headers=key)
+    assert first.json()["outcome"] == "answered"
+    ours = [k async for k in broker.redis.scan_iter(match=f"{broker.keys.prefix}:*api-idem:*")]
+    assert len(ours) == 1
+    await broker.redis.delete(*ours)
+    again = await http.post("/v1/threads/t/items", json=body, headers=key)
+    assert again.status_code == 200 and again.json()["item_id"] == first.json()["item_id"]
+    assert len(await broker.items("t")) == 2

@@ -150,7 +150,7 @@ async def test_thread_outside_the_glob_is_403(anon: httpx.AsyncClient, broker: B
 
 async def test_forged_author_is_ignored(anon: httpx.AsyncClient, broker: Broker) -> None:
     """The author is the token's name whatever the body says, even the broker's identity;
-    the item records the surface it came through."""
+    the prompt records who answered it and through which surface."""
     p = await broker.ask("t", "approval", [APPROVAL])
     for forged in ("prompt-broker", "bob", 7):
         body = {"author": forged, "content": [{"type": "text", "text": "approve"}]}
@@ -161,13 +161,7 @@ async def test_forged_author_is_ignored(anon: httpx.AsyncClient, broker: Broker)
     # The first answered the prompt: the broker's identity would have been only "posted".
     answered = await broker.get_prompt("t", p.prompt_id)
     assert answered.state == "answered" and answered.answer_item_id == items[1].id
-    assert items[1].metadata["via"] == {"surface": "http", "name": "alice"}
-    forged_via = {
-        "content": [{"type": "text", "text": "hi"}],
-        "metadata": {"via": {"surface": "cli", "name": "bob"}},
-    }
-    await anon.post("/v1/threads/t/items", headers=bearer(ALICE), json=forged_via)
-    assert (await broker.items("t"))[-1].metadata["via"] == {"surface": "http", "name": "alice"}
+    assert answered.answered_by == "alice" and answered.answered_via == "http"
 
 
 async def test_session_cookie_flow(anon: httpx.AsyncClient, broker: Broker) -> None:

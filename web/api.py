@@ -16,7 +16,6 @@ from starlette.responses import Response, StreamingResponse
 from broker import (
     Broker,
     BrokerError,
-    BrokerUnavailable,
     Item,
     Prompt,
     PromptNotFound,
@@ -152,7 +151,8 @@ class Api:
         out["questions"] = [q.wire() for q in prompt.questions]
         out["harness"] = session.harness if session else None
         out["work_folder"] = session.work_folder if session else None
-        out["answered_by"] = await self._answered_by(prompt) if prompt.state == "answered" else None
+        if prompt.state == "answered" and prompt.answered_by is None:
+            out["answered_by"] = await self._answered_by(prompt)  # a record from before it kept one
         return out
 
     async def _check_thread(self, thread_id: str) -> None:
@@ -308,13 +308,10 @@ class Api:
             first_status, first = claimed
             return json_response(first, first_status, {"Idempotent-Replayed": "true"})
         try:
-            status, out = await self._post(thread_id, caller, body)
+            status, out = await self._post(thread_id, caller, body, key)
         except BrokerError as e:
             error = from_broker(e)
-            maybe = isinstance(e, BrokerUnavailable) and e.took_effect is not False
-            await idempotency.finish(
-                self.broker.redis, claimed, error.status, error.body(), maybe_written=maybe
-            )
+            await idempotency.finish(self.broker.redis, claimed, error.status, error.body())
             raise error from None
         except ApiError as e:
             await idempotency.finish(self.broker.redis, claimed, e.status, e.body())
@@ -326,19 +323,22 @@ class Api:
         return json_response(out, status)
 
     async def _post(
-        self, thread_id: str, caller: Caller, body: Mapping[str, Any]
+        self, thread_id: str, caller: Caller, body: Mapping[str, Any], key: str | None = None
     ) -> tuple[int, dict[str, Any]]:
-        """Post as the caller: the author is the token's name whatever the body says."""
+        """Post as the caller: the author is the token's name whatever the body says, the
+        surface `http` (both recorded on the prompt it answers and its audit item). With an
+        Idempotency-Key the library makes the write itself at most once, even when Redis went
+        away before our own record of the answer could be kept."""
         item = {k: v for k, v in body.items() if k != "author"}
-        metadata = item.get("metadata")
-        if metadata is None or isinstance(metadata, dict):
-            item["metadata"] = {
-                **(metadata or {}),
-                "via": {"surface": "http", "name": caller.name},
-            }
         item["author"] = caller.name
         try:
-            routed = await self.broker.post_item(thread_id, item, create=False)
+            routed = await self.broker.post_item(
+                thread_id,
+                item,
+                create=False,
+                surface="http",
+                idempotency_key=None if key is None else f"http\0{caller.name}\0{key}",
+            )
         except StaleAnswer as e:
             raise await self._stale(e) from None
         return 200, routed.model_dump()

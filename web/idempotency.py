@@ -1,10 +1,12 @@
 """`Idempotency-Key`: a retried POST gets the first answer back and writes nothing.
 
 One record per (identity, thread, key), in the thread's hash slot beside its other keys:
-`<prefix>:{T}:idem:<sha256>`. It is claimed with SET NX (a short TTL while the first request
+`<prefix>:{T}:api-idem:<sha256>`: the whole first answer (status and body, a 409 too), so a
+replay is the same response; the write itself is made at most once by the library, which is
+handed the key too. It is claimed with SET NX (a short TTL while the first request
 runs, so a crash in between frees it), then holds the first answer's status and body for a day.
 An answer that did not take effect for certain (503) frees the key, so the retry really retries.
-The key is this package's one write outside the `Broker` API (the library has no such call yet).
+These records are this package's own writes outside the `Broker` API (beside the webhooks').
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Claim:
 
 def _record_key(tk: ThreadKeys, name: str, key: str) -> str:
     digest = hashlib.sha256(f"{name}\0{key}".encode()).hexdigest()
-    return f"{tk.base}idem:{digest}"
+    return f"{tk.base}api-idem:{digest}"
 
 
 async def claim(
@@ -79,16 +81,12 @@ async def claim(
     return int(record["status"]), record["response"]
 
 
-async def finish(
-    redis: Redis, claim: Claim, status: int, response: Any, *, maybe_written: bool = False
-) -> None:
-    """Keep the first answer for replays. A 5xx is not kept: when it certainly wrote nothing
-    the key is freed at once, so a retry really retries; when it may have written
-    (`maybe_written`: Redis went away mid-call) the claim is left to expire, so a retry in
-    the next minute is told to wait rather than risk posting twice."""
+async def finish(redis: Redis, claim: Claim, status: int, response: Any) -> None:
+    """Keep the first answer for replays. A 5xx is not kept but frees the key, so a retry
+    really retries: the post itself carries the key to the library, which makes it at most
+    once even if the first one took effect before Redis went away."""
     if status >= 500:
-        if not maybe_written:
-            await redis.delete(claim.key)
+        await redis.delete(claim.key)
         return
     record = {"state": "done", "body": claim.body_hash, "status": status, "response": response}
     await redis.set(claim.key, dumps(record), ex=_DONE_TTL)
