@@ -269,14 +269,17 @@ async def serve(settings: Settings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     delay = _RESTART_FIRST
+    from workers.health import serve_audit_ops  # ops: /metrics, /livez, /readyz
+
     try:
-        while not stop.is_set():
-            if await _run_worker(settings, running, stop):
-                return
-            logger.warning("audit.restarting", extra={"retry_in": delay})
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
-            delay = min(delay * 2, _RESTART_MAX)
+        async with serve_audit_ops(settings):
+            while not stop.is_set():
+                if await _run_worker(settings, running, stop):
+                    return
+                logger.warning("audit.restarting", extra={"retry_in": delay})
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay)
+                delay = min(delay * 2, _RESTART_MAX)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

@@ -11,6 +11,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 
 from broker import Broker, Settings
 from workers.harness import Harness
+from workers.health import serve_replica_ops
 from workers.replica import Replica
 
 logger = logging.getLogger("workers.run")
@@ -62,4 +63,7 @@ async def run_replica(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     async with replica_broker(settings) as broker:
-        await Replica(broker, harnesses, replica_id).run(stop)
+        replica = Replica(broker, harnesses, replica_id)
+        # ops: /metrics, /livez, /readyz on PROMPT_BROKER_OPS_PORT (workers.health)
+        async with serve_replica_ops(replica):
+            await replica.run(stop)
