@@ -16,16 +16,30 @@ With the default prefix `pp`:
 - `pp:{T}:session` (hash): the agent session driving the thread (owner, epoch, status, `wait`:
   the prompt its agent awaits, `delivered`: the prompt whose answer its running turn was handed,
   `grant`, `interrupted`: a cut-off turn, for the next turn to tell, ...).
-- `pp:{T}:agent:<name>` (list): a harness's own session data (e.g. Claude Code transcripts).
+- `pp:{T}:agent:<name>` (list): a harness's own session data (e.g. Claude Code transcripts),
+  zlib-compressed batches (workers/agent_store.py); `pp:{T}:agents` (set) names them.
+- `pp:{T}:pins` (sorted set): prompt id -> creation ms of every prompt not yet audited: the
+  stream is never trimmed past the oldest (broker/lua/_retain.lua has the policy).
+- `pp:{T}:prompts` (sorted set): every prompt ever asked on the thread, and `pp:{T}:idems`
+  (sorted set) its idempotency records (`pp:{T}:idem:<hash>`): when a thread closes, every
+  key of it is found from these, without a scan, and given the `closed_ttl` expiry.
 - `pp:{T}:wake` (channel): the doorbell: resolutions and queued items, as JSON.
 - `pp:open` (sorted set): `T/prompt_id` of open prompts by creation time (ms).
 - `pp:audit` (sorted set): `T/prompt_id` of resolutions whose audit item is not yet posted.
-- `pp:leases` (sorted set): thread id -> lease deadline (ms, server time).
+- `pp:leases` (sorted set): thread id -> when it was left without a holder (ms): threads to be
+  claimed (new, released, or freed by a restarted replica). A held thread is not in it.
 - `pp:replicas` (sorted set): replica id -> its last heartbeat (ms, server time).
+- `{pp:replicas}:records` (hash): replica id -> `<incarnation>|<deadline ms, server time>`: the
+  replica records, the only thing a heartbeat writes. Its hash tag puts it in the slot of
+  `pp:replicas`, so beat.lua writes both in one step on a cluster too.
+- `pp:holds:<replica id>:<incarnation>` (set): the threads that incarnation claimed, for adopters
+  to find when its record expires.
 - `pp:audit:queue` (sorted set): the arq queue of audit jobs (arq's `arq:job:*` keys hold them).
 
-`pp:open`, `pp:audit` and `pp:leases` are discovery indexes: the per-thread records decide, and a
-sweep rebuilds the indexes from them. Nothing that holds an open prompt ever has a TTL.
+`pp:open`, `pp:audit`, `pp:leases` and `pp:holds:*` are discovery indexes: the per-thread records
+decide (a session names its holder and the holder's incarnation), and a sweep rebuilds the indexes
+from them (`Sessions.rebuild_leases` for the lease ones). Nothing that holds an open prompt ever
+has a TTL.
 """
 
 from __future__ import annotations
@@ -90,6 +104,22 @@ class ThreadKeys:
     def prompt(self, prompt_id: str) -> str:
         return self.base + "prompt:" + prompt_id
 
+    @property
+    def pins(self) -> str:
+        return self.base + "pins"
+
+    @property
+    def prompts(self) -> str:
+        return self.base + "prompts"
+
+    @property
+    def agents(self) -> str:
+        return self.base + "agents"
+
+    @property
+    def idems(self) -> str:
+        return self.base + "idems"
+
     def agent(self, name: str) -> str:
         """A harness's own durable data (e.g. a Claude Code transcript), a list of JSON."""
         return self.base + "agent:" + name
@@ -123,6 +153,20 @@ class Keys:
     @property
     def replicas(self) -> str:
         return f"{self.prefix}:replicas"
+
+    @property
+    def replica_records(self) -> str:
+        """The replica records (a hash), in the slot of `replicas`."""
+        return f"{{{self.prefix}:replicas}}:records"
+
+    def holds(self, replica: str, incarnation: str) -> str:
+        """The threads one incarnation of a replica claimed (a set; a discovery index)."""
+        return f"{self.prefix}:holds:{replica}:{incarnation}"
+
+    @property
+    def session_pattern(self) -> str:
+        """Matches every session record (the lease indexes' rebuild scans it)."""
+        return f"{self.prefix}:{{*}}:session"
 
     @property
     def audit_queue(self) -> str:

@@ -82,8 +82,9 @@ class Thread:
 
 async def asked(broker: Broker, thread_id: str = "t1", *, answer: str | None = "yes") -> Thread:
     await broker.sessions.create(thread_id, "scripted", "approval", {})
-    claimed = await broker.sessions.claim(thread_id, "r1", 60_000)
-    assert claimed is not None and claimed[0] == EPOCH
+    incarnation, _, _ = await broker.sessions.join("r1", 60_000)
+    claimed = await broker.sessions.claim(thread_id, "r1", incarnation)
+    assert claimed == EPOCH
     q = approval_question("Bash", {"command": "make deploy"})
     prompt = await broker.ask(thread_id, "approval", [q], epoch=EPOCH, agent_state={"step": 0})
     if answer is not None:

@@ -673,6 +673,14 @@ async def test_parked_answer_then_queued_message_both_run(fleet: Fleet, person: 
     assert out == ["Pick one: A", "follow-up seen"]
 
 
+async def claim_as(
+    person: Broker, thread_id: str, replica: str, ttl_ms: int = 30_000
+) -> int | None:
+    """Claim the thread as a new incarnation of `replica`, alive for `ttl_ms`: its epoch."""
+    incarnation, _, _ = await person.sessions.join(replica, ttl_ms)
+    return await person.sessions.claim(thread_id, replica, incarnation)
+
+
 # -- fencing ---------------------------------------------------------------------------------
 
 
@@ -690,10 +698,7 @@ async def test_stale_epoch_is_fenced(fleet: Fleet, person: Broker) -> None:
     for task in a.replica._tasks:
         if task.get_name() == "beat":
             task.cancel()
-    claim = await until(
-        lambda: person.sessions.claim("t1", "rb", 30_000), "the lease to run out", within=5
-    )
-    new = claim[0]
+    new = await until(lambda: claim_as(person, "t1", "rb"), "ra's record to run out", within=5)
     assert new > old
     before = await person.items("t1")
 
@@ -731,12 +736,10 @@ async def test_stale_epoch_ask_is_fenced(person: Broker) -> None:
     """An ask with the epoch of a replica whose thread another claimed is refused as Fenced,
     writing nothing."""
     await person.sessions.create("t1", "scripted", "approval", {})
-    claimed = await person.sessions.claim("t1", "ra", 1)
+    claimed = await claim_as(person, "t1", "ra", ttl_ms=1)
     assert claimed is not None
-    old = claimed[0]
-    new, _ = await until(
-        lambda: person.sessions.claim("t1", "rb", 30_000), "ra's lease to run out", within=5
-    )
+    old = claimed
+    new = await until(lambda: claim_as(person, "t1", "rb"), "ra's record to run out", within=5)
     assert new > old
     with pytest.raises(Fenced) as e:
         await person.ask("t1", "text", [Question(question="Anything else?")], epoch=old)
@@ -758,10 +761,11 @@ async def test_lost_lease_is_dropped_and_written_no_more(fleet: Fleet, person: B
     await until(lambda: truthy(a.replica.held_count() == 1), "the held wait")
     key = person.thread("t1").session
 
-    async def steal() -> tuple[int, int] | None:
-        # as if ra had been paused past its deadline: the lease ran out and "rb" claimed it
-        await person.redis.hset(key, "lease_until", "0")  # type: ignore[misc]
-        return await person.sessions.claim("t1", "rb", 30_000)
+    async def steal() -> int | None:
+        # as if ra had been paused past its deadline: its record ran out and "rb" claimed it
+        record = f"{a.replica.incarnation}|0"
+        await person.redis.hset(person.keys.replica_records, "ra", record)  # type: ignore[misc]
+        return await claim_as(person, "t1", "rb")
 
     await until(steal, "rb's claim")
     await until(lambda: truthy("t1" not in a.replica.threads), "ra's heartbeat to drop t1")
@@ -821,13 +825,18 @@ async def test_adoption_race_each_thread_claimed_once(fleet: Fleet, person: Brok
 
 
 async def test_sweep_finds_work_whose_bell_was_missed(fleet: Fleet, person: Broker) -> None:
-    """A message whose bell nobody heard is found by the replica's sweep and runs a turn."""
+    """A message whose bell nobody heard (the pub/sub connection was down) is found by the look
+    its resubscription brings, and runs a turn."""
     r = await fleet.start("r1")
     await start_thread(person, "t1", script({"say": "hello"}))
     await turn_ends(person, "t1")
+    await asyncio.sleep(0.3)  # the look its first subscription brought is over
     held = r.replica.threads["t1"]
     r.replica.broker.unlisten("t1", held.listener)  # the bell now rings to nobody
     await person.post_item("t1", text("again"))
+    await asyncio.sleep(0.5)
+    assert outputs(await person.items("t1")) == ["hello"]  # nobody heard it
+    held.listener("wake", {"resubscribed": True})  # what the waiter says once back
     items = await turn_ends(person, "t1", n=2)
     assert outputs(items) == ["hello", "hello"]
 
@@ -873,14 +882,14 @@ async def test_a_new_thread_is_indexed_only_once_its_record_exists(settings: Set
     load = person.redis.script_load
 
     async def load_while_a_replica_claims(source: str) -> Any:
-        await rival.sessions.claim_many(["n1"], "r9", 1000)
+        await rival.sessions.claim_many(["n1"], "r9", "i1")
         return await load(source)
 
     person.redis.script_load = load_while_a_replica_claims  # type: ignore[method-assign]
     try:
         await person.sessions.create("n1", "scripted", "approval", ASK)
         assert await person.redis.zscore(person.keys.leases, "n1") is not None
-        assert await rival.sessions.claim_many(["n1"], "r9", 1000) == {"n1": 1}
+        assert await rival.sessions.claim_many(["n1"], "r9", "i1") == {"n1": 1}
     finally:
         await person.aclose()
         await rival.aclose()

@@ -2,15 +2,22 @@
 
 One replica process runs many agent sessions against the shared Redis. Its loops:
 
-- **adopt**: every `adopt_interval`, claim threads whose lease ran out (a replica died, a thread
-  was released by a clean stop, or it is new). A claim bumps the thread's fencing epoch.
-- **heartbeat**: every `lease_ttl / 3`, renew every lease held; a thread found lost (another
-  replica claimed it while this one was paused) is dropped at once, touching nothing.
-- **examine**: whenever a thread's bell rings (an item queued, a prompt resolved, a
-  resubscription after a dropped pub/sub connection) and no turn of it is running here, read its
-  records and do what they say: resume a parked turn whose prompt was answered, adopt a dead
-  replica's open prompt as parked, report a turn that was cut off, or start a turn for queued
-  messages. A slow sweep re-examines every thread, for bells that rang while nobody listened.
+- **heartbeat**: every `lease_ttl / 3`, one write proves this replica's incarnation alive for
+  `lease_ttl` more (its replica record), whatever it holds: a thread's lease is its holder's
+  liveness. A beat that finds the record expired (this process was paused past its deadline) or
+  taken by another incarnation drops every thread at once, touching nothing, and joins again as
+  a new incarnation.
+- **adopt**: every `adopt_interval`, read the replica records and claim a fair share of the
+  threads that have no live holder (a replica's record expired, a thread was released by a clean
+  stop or freed by a restart, or it is new), in pipelined pages. A claim bumps the thread's
+  fencing epoch.
+- **examine**: whenever a thread's bell rings (an item queued, a prompt resolved) and no turn of
+  it is running here, read its records and do what they say: resume a parked turn whose prompt
+  was answered, adopt a dead replica's open prompt as parked, report a turn that was cut off, or
+  start a turn for queued messages. Nothing is re-read on a timer: a bell can only be missed
+  while the pub/sub connection is down, and its resubscription has the threads looked at (in
+  pipelined batches: only those with something to do are examined); a look that failed on a
+  Redis error is tried again later.
 
 Nothing is handed to an agent twice. A held answer (deliver.lua) and a parked one taken into a
 resume turn (resume.lua, which also mints the approval's one-shot grant) are each marked
@@ -147,6 +154,9 @@ class Replica:
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self.ttl_ms = int(self.settings.lease_ttl * 1000)
+        self.incarnation = ""  # set by `join`: a new one for every start
+        self._suspects: set[str] = set()
+        self._suspect_event = asyncio.Event()
         # The worker's own policy rules: a malformed one stops the replica before it starts.
         self.policy_rules = policy.parse_rules(
             self.settings.policy_rules, "PROMPT_BROKER_POLICY_RULES", "worker"
@@ -156,7 +166,8 @@ class Replica:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set, then stop cleanly (see `shutdown`)."""
-        logger.info("replica.started", extra={"replica": self.id})
+        await self._join()
+        logger.info("replica.started", extra={"replica": self.id, "incarnation": self.incarnation})
         self._tasks = [
             asyncio.create_task(
                 self._loop(self._adopt, self.settings.adopt_interval), name="adopt"
@@ -164,9 +175,7 @@ class Replica:
             asyncio.create_task(
                 self._loop(self._heartbeat, self.settings.lease_ttl / 3), name="beat"
             ),
-            asyncio.create_task(
-                self._loop(self._sweep, self.settings.sweep_interval), name="sweep"
-            ),
+            asyncio.create_task(self._suspect_loop(), name="sweep"),
             asyncio.create_task(self._kick_loop(), name="kicks"),
         ]
         try:
@@ -192,11 +201,9 @@ class Replica:
             with contextlib.suppress(Exception):
                 await asyncio.wait(pending, timeout=1)
         released = 0
-        for t in list(self.threads.values()):
-            with contextlib.suppress(BrokerError, OSError, ConnectionError):
-                released += await self.broker.sessions.release(t.thread_id, self.id, t.epoch)
+        epochs = {t.thread_id: t.epoch for t in self.threads.values()}
         with contextlib.suppress(BrokerError, OSError, ConnectionError):
-            await self.broker.sessions.beat(self.id, self.ttl_ms, leaving=True)
+            released = await self.broker.sessions.release_all(self.id, self.incarnation, epochs)
         logger.info("replica.stopped", extra={"replica": self.id, "released": released})
 
     async def _loop(self, step: Any, interval: float) -> None:
@@ -215,9 +222,20 @@ class Replica:
         while not self._stopping and await self._adopt_page(ADOPT_PAGE):
             pass
 
+    async def _join(self) -> None:
+        """Start a new incarnation; free what a former one of this id held (it is dead now)."""
+        sessions = self.broker.sessions
+        self.incarnation, _, former = await sessions.join(self.id, self.ttl_ms)
+        if former:
+            freed = await sessions.free(self.id, former)
+            logger.info("replica.freed_former", extra={"replica": self.id, "threads": freed})
+
     async def _adopt_page(self, limit: int) -> bool:
-        """One look at the expired leases; True if it claimed a full page."""
-        seen = await self.broker.sessions.expired(limit=limit, alive_within_ms=self.ttl_ms)
+        """One look at the threads without a live holder; True if it claimed a full page."""
+        fleet = await self.broker.sessions.look()
+        if self.incarnation not in {r.incarnation for r in fleet.alive().values()}:
+            return False  # dead itself (the heartbeat will join again): claims would not last
+        seen = await self.broker.sessions.candidates(fleet, limit)
         candidates = [t for t in seen.expired if t not in self.threads]
         if not candidates:
             return False
@@ -228,7 +246,7 @@ class Replica:
             candidates = [t for t in candidates if seen.now - seen.expired[t] > URGENT_MS]
         random.shuffle(candidates)
         candidates = candidates[: -(-len(candidates) // alive)]
-        claimed = await self.broker.sessions.claim_many(candidates, self.id, self.ttl_ms)
+        claimed = await self.broker.sessions.claim_many(candidates, self.id, self.incarnation)
         await self._attach(claimed)
         if claimed:
             logger.info("replica.adopted", extra={"replica": self.id, "threads": len(claimed)})
@@ -240,11 +258,21 @@ class Replica:
             t = self.threads[thread_id] = _Thread(thread_id, epoch)
             t.listener = self._kicker(thread_id)
         await self.broker.listen_many({t: self.threads[t].listener for t in claimed})
-        for thread_id in claimed:
-            self.kick(thread_id)
+        # One batched look, not one examination each: most adopted threads just wait.
+        try:
+            await self._sweep(set(claimed))
+        except (BrokerError, OSError, ConnectionError):
+            logger.exception("replica.loop_failed", extra={"loop": "attach"})
+            self._retry_later(set(claimed))
 
     def _kicker(self, thread_id: str) -> Any:
-        return lambda _channel, _wake: self.kick(thread_id)
+        def ring(_channel: str, wake: Mapping[str, Any]) -> None:
+            if wake.get("resubscribed"):
+                self.suspect(thread_id)  # a bell may have rung meanwhile: look in a batch
+            else:
+                self.kick(thread_id)
+
+        return ring
 
     def _drop(self, thread_id: str) -> None:
         t = self.threads.pop(thread_id, None)
@@ -259,45 +287,107 @@ class Replica:
         logger.warning("replica.lost_thread", extra={"replica": self.id, "thread_id": thread_id})
 
     async def _heartbeat(self) -> None:
-        await self.broker.sessions.beat(self.id, 3 * self.ttl_ms)
-        held = {t.thread_id: t.epoch for t in self.threads.values()}
-        _, lost = await self.broker.sessions.renew(self.id, held, self.ttl_ms)
-        for thread_id in lost:
+        """One write, whatever is held. Found dead: every thread may be another's by now."""
+        if await self.broker.sessions.beat(self.id, self.incarnation, self.ttl_ms) is not None:
+            return
+        logger.warning(
+            "replica.expired",
+            extra={
+                "replica": self.id,
+                "incarnation": self.incarnation,
+                "threads": len(self.threads),
+            },
+        )
+        for thread_id in list(self.threads):
             self._drop(thread_id)
+        await self._join()
 
-    async def _sweep(self) -> None:
-        """Look at every thread for work a missed bell would have announced: read their records
-        in pipelines and kick only the threads that have something to do."""
-        idle = [t for t in self.threads.values() if t.task is None or t.task.done()]
+    def suspect(self, thread_id: str) -> None:
+        """Have the thread's records read soon, in a batch (a bell may have been missed)."""
+        if thread_id in self.threads and not self._stopping:
+            self._suspects.add(thread_id)
+            self._suspect_event.set()
+
+    async def _suspect_loop(self) -> None:
+        while True:
+            await self._suspect_event.wait()
+            await asyncio.sleep(0.05)  # gather a resubscription's worth into one batch
+            self._suspect_event.clear()
+            suspects, self._suspects = self._suspects, set()
+            try:
+                await self._sweep(suspects)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("replica.loop_failed", extra={"loop": "sweep"})
+                self._retry_later(suspects)
+
+    def _retry_later(self, thread_ids: set[str]) -> None:
+        """Look again after `sweep_interval`: the look that failed (a Redis error) is owed."""
+        loop = asyncio.get_running_loop()
+        for thread_id in thread_ids:
+            loop.call_later(self.settings.sweep_interval, self.suspect, thread_id)
+
+    async def _sweep(self, thread_ids: set[str] | None = None) -> None:
+        """Look at threads (all when None) for work a missed bell would have announced: read
+        their records in pipelines and kick only the threads that have something to do."""
+        idle = [
+            t
+            for t in self.threads.values()
+            if (thread_ids is None or t.thread_id in thread_ids)
+            and (t.task is None or t.task.done())
+        ]
         for i in range(0, len(idle), 500):
             for thread_id in await self._needing_a_look(idle[i : i + 500]):
                 self.kick(thread_id)
 
     async def _needing_a_look(self, threads: list[_Thread]) -> list[str]:
+        """Of these idle threads, those with something to do, from their records read in
+        pipelines. A dead holder's held wait (status running, its prompt pending, no turn here)
+        is adopted as parked right here, in one pipeline, rather than by a look each."""
         redis = self.broker.redis
         pipe = redis.pipeline(transaction=False)
         for t in threads:
             keys = self.broker.thread(t.thread_id)
-            pipe.hmget(keys.session, ["owner", "epoch", "status", "wait"])
+            pipe.hmget(keys.session, ["owner", "inc", "epoch", "status", "wait"])
             pipe.llen(keys.inbox)
         rows = await pipe.execute()
         look: list[str] = []
-        waiting: list[tuple[str, str]] = []
-        for t, (owner, epoch, status, wait), queued in zip(
+        waiting: list[tuple[_Thread, str, str]] = []
+        for t, (owner, inc, epoch, status, wait), queued in zip(
             threads, rows[::2], rows[1::2], strict=True
         ):
-            lost = owner != self.id or epoch != str(t.epoch)
-            if lost or queued or status == "running" or (status == "parked" and not wait):
+            lost = owner != self.id or inc != self.incarnation or epoch != str(t.epoch)
+            if lost or queued or (not wait and status in ("running", "parked")):
                 look.append(t.thread_id)  # lost, messages waiting, a turn that died: look
             elif wait:
-                waiting.append((t.thread_id, orjson.loads(wait)["prompt_id"]))
-        if waiting:
-            pipe = redis.pipeline(transaction=False)
-            for thread_id, prompt_id in waiting:
-                pipe.hget(self.broker.thread(thread_id).prompt(prompt_id), "state")
-            states = await pipe.execute()
-            look += [t for (t, _), state in zip(waiting, states, strict=True) if state != "pending"]
-        return look
+                waiting.append((t, orjson.loads(wait)["prompt_id"], status))
+        if not waiting:
+            return look
+        pipe = redis.pipeline(transaction=False)
+        for t, prompt_id, _ in waiting:
+            pipe.hget(self.broker.thread(t.thread_id).prompt(prompt_id), "state")
+        states = await pipe.execute()
+        park: list[_Thread] = []
+        for (t, _, status), state in zip(waiting, states, strict=True):
+            if state != "pending":
+                look.append(t.thread_id)  # answered, cancelled or gone: act on it
+            elif status != "parked":
+                park.append(t)
+        return look + await self._park(park)
+
+    async def _park(self, threads: list[_Thread]) -> list[str]:
+        """Mark these sessions parked, in one pipeline; those refused (fenced) need a look."""
+        if not threads:
+            return []
+        redis = self.broker.redis
+        pipe = redis.pipeline(transaction=False)
+        for t in threads:
+            session = self.broker.thread(t.thread_id).session
+            self.broker._scripts.queue(pipe, "update", [session], [t.epoch, "status", "parked"])
+        replies = await self.broker._scripts.run_pipeline(redis, pipe)
+        # fenced: another holder has it now; the look finds it lost and drops it
+        return [t.thread_id for t, r in zip(threads, replies, strict=True) if r[0] != "ok"]
 
     # -- examining threads -------------------------------------------------------------------
 
@@ -337,11 +427,14 @@ class Replica:
             raise
         except Exception:
             logger.exception("replica.thread_failed", extra={"thread_id": t.thread_id})
+            self._retry_later({t.thread_id})
 
     async def _step(self, t: _Thread) -> None:
         """Do what the thread's records say, once."""
-        session = await self.broker.sessions.get(t.thread_id)
+        session = await self.broker.sessions.get(t.thread_id, lease=False)
         if session is None or session.owner != self.id or session.epoch != t.epoch:
+            raise _Lost
+        if session.holder_incarnation != self.incarnation:
             raise _Lost
         if session.status == "closed":
             raise _Lost
@@ -355,7 +448,7 @@ class Replica:
         inbox = await self.broker.take_inbox(t.thread_id)
         if inbox:
             text = "\n\n".join(i.text for i in inbox if i.text)
-            session = await self.broker.sessions.get(t.thread_id) or session
+            session = await self.broker.sessions.get(t.thread_id, lease=False) or session
             await self._run_turn(t, session, text, None)
 
     async def _waiting(self, t: _Thread, session: Session, prompt_id: str) -> bool:
@@ -613,21 +706,8 @@ class Replica:
             del self._held[held.thread_id]
 
 
-class _Store:
-    """A harness's durable session data, as JSON lists under the thread's hash tag."""
-
-    def __init__(self, broker: Broker, thread_id: str) -> None:
-        self._redis = broker.redis
-        self._keys = broker.thread(thread_id)
-
-    async def append(self, key: str, entries: Sequence[Any]) -> None:
-        if entries:
-            key = self._keys.agent(key)
-            await self._redis.rpush(key, *(orjson.dumps(e) for e in entries))  # type: ignore[misc]
-
-    async def load(self, key: str) -> list[Any] | None:
-        raw: list[str] = await self._redis.lrange(self._keys.agent(key), 0, -1)  # type: ignore[misc]
-        return [orjson.loads(r) for r in raw] if raw else None
+# A harness's durable session data: compressed, and expiring with its closed thread.
+from workers.agent_store import AgentStore as _Store  # noqa: E402
 
 
 class _Slot:
@@ -679,7 +759,7 @@ class _Handle:
 
     async def _spend_grant(self, q: Question) -> list[Answer] | None:
         b, t = self.r.broker, self.t
-        session = await b.sessions.get(t.thread_id)
+        session = await b.sessions.get(t.thread_id, lease=False)
         if session is None or session.grant is None or session.grant.subject != q.subject:
             return None
         if not covers(session.grant.grant_key, q.grant_key, session.work_folder):

@@ -9,5 +9,6 @@ local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {'missing'} end
 if status == 'closed' then return {'already'} end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
-redis.call('HSET', KEYS[1], 'status', 'closed', 'owner', '', 'lease_until', 0)
+redis.call('HSET', KEYS[1], 'status', 'closed', 'owner', '', 'inc', '')
+redis.call('HDEL', KEYS[1], 'lease_until')
 return {'closed', tostring(epoch)}

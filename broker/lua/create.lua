@@ -8,6 +8,6 @@
 if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists'} end
 local now = now_ms()
 redis.call('HSET', KEYS[1], 'harness', ARGV[1], 'permissions', ARGV[2], 'config', ARGV[3],
-  'work_folder', ARGV[4], 'owner', '', 'epoch', 0, 'lease_until', 0, 'status', 'idle', 'created', now)
+  'work_folder', ARGV[4], 'owner', '', 'inc', '', 'epoch', 0, 'status', 'idle', 'created', now)
 if ARGV[5] ~= nil and ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'policy', ARGV[5]) end
 return {'created', tostring(now)}
