@@ -1,7 +1,8 @@
 """The Lua scripts: loaded once per server, called by SHA, reloaded when the server forgot them.
 
 Each script lives in `broker/lua/<name>.lua` with its KEYS, ARGV and replies documented at the
-top; `_lib.lua` is prepended to each (Redis has no `require`). We call EVALSHA ourselves rather
+top; `_lib.lua` and `_retain.lua` (retention: stream trimming, retiring a closed thread) are
+prepended to each (Redis has no `require`). We call EVALSHA ourselves rather
 than through redis-py's `Script`, because a pipeline holding a `Script` first asks SCRIPT EXISTS:
 one more round trip on every call of the hot path.
 """
@@ -37,6 +38,7 @@ NAMES = (
     "prompt",
     "interrupt",
     "close",
+    "agent",
 )
 
 
@@ -49,7 +51,8 @@ class Script:
 
 def _load(name: str) -> Script:
     lua = resources.files("broker") / "lua"
-    source = (lua / "_lib.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+    parts = [(lua / f).read_text() for f in ("_lib.lua", "_retain.lua", f"{name}.lua")]
+    source = "\n".join(parts)
     return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
 
 

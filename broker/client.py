@@ -163,6 +163,8 @@ class Broker:
         self.sessions = Sessions(self)
         self._closed = False
         self._deliveries: set[asyncio.Task[None]] = set()
+        # The stream trimming policy every script that adds an item applies (_retain.lua).
+        self._retention = (self.settings.stream_max_items, self.settings.stream_max_age)
 
     def _decoding(self, client: Redis) -> Redis:
         """`client`, or one like it that decodes replies (the broker reads str everywhere).
@@ -292,6 +294,7 @@ class Broker:
                     b""
                     if agent_state is None or epoch is None
                     else _dumps(agent_state, "agent_state"),
+                    *self._retention,
                 ],
             )
             pipe.zadd(self.keys.open, {self.keys.member(thread_id, prompt_id): ULID().milliseconds})
@@ -607,6 +610,7 @@ class Broker:
             "1" if p.malformed else "0",
             surface or "",
             idem,
+            *self._retention,
         ]
         try:
             reply = await self._scripts.call(self.redis, "route", keys, args)
@@ -715,7 +719,7 @@ class Broker:
             self.redis,
             "cancel",
             [tk.active, tk.session],
-            [reason, prompt_id or "", _epoch(epoch), tk.base, tk.wake],
+            [reason, prompt_id or "", _epoch(epoch), tk.base, tk.wake, self.settings.closed_ttl],
         )
         if status == "fenced":
             raise Fenced(thread_id, epoch or 0, int(value) if value else None)
@@ -740,6 +744,16 @@ class Broker:
         self._queue_resolved(pipe, thread_id, prompt_id)
         events.queue_event(pipe, self.keys, events.CANCELLED, thread_id, prompt_id, reason=reason)
         await self._scripts.run_pipeline(self.redis, pipe)
+
+    async def append_agent_data(self, thread_id: str, name: str, elements: Sequence[bytes]) -> None:
+        """Append `elements` to a harness's list `agent:<name>` on the thread (agent.lua): the
+        name is registered so a closed thread's expiry reaches it (workers/agent_store.py)."""
+        self._check_open()
+        if elements:
+            tk = self.thread(thread_id)
+            await self._scripts.call(
+                self.redis, "agent", [tk.agent(name), tk.agents, tk.session], [name, *elements]
+            )
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -881,6 +895,9 @@ class Broker:
                         _codec.resolved_body(prompt),
                         prompt.state,
                         self.settings.resolved_ttl,
+                        tk.base,
+                        prompt_id,
+                        *self._retention,
                     ],
                 )
             if status in ("posted", "already"):

@@ -14,13 +14,15 @@ from broker.errors import BadItem
 __all__ = ["ENV_PREFIX", "Settings"]
 
 ENV_PREFIX = "PROMPT_BROKER_"
+_OTHERS = (ENV_PREFIX + "API_", ENV_PREFIX + "OPS_")
 
 
 class Settings(BaseModel):
     """Everything configurable. `Settings.from_env()` reads `PROMPT_BROKER_<FIELD>`.
 
     An unknown `PROMPT_BROKER_*` variable is an error, so a misspelt option fails loudly instead
-    of being ignored. `PROMPT_BROKER_API_*` belong to the HTTP server, which checks them itself.
+    of being ignored. `PROMPT_BROKER_API_*` belong to the HTTP server and `PROMPT_BROKER_OPS_*` to
+    the ops endpoint, which check them themselves.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -40,6 +42,23 @@ class Settings(BaseModel):
         30 * 86400,
         ge=0,
         description="seconds a prompt's record is kept after its audit item is posted (0: forever)",
+    )
+    closed_ttl: int = Field(
+        7 * 86400,
+        ge=0,
+        description="seconds every key of a closed thread is kept after it closes (0: forever)",
+    )
+    stream_max_items: int = Field(
+        10_000,
+        ge=0,
+        description="items a thread's stream keeps (0: no limit); never trimmed past an "
+        "unaudited prompt",
+    )
+    stream_max_age: int = Field(
+        0,
+        ge=0,
+        description="seconds a thread's items are kept (0: no limit); never trimmed past an "
+        "unaudited prompt",
     )
     audit_job_timeout: int = Field(
         10, gt=0, description="seconds an audit job may run; arq redelivers after this plus 1 s"
@@ -90,8 +109,8 @@ class Settings(BaseModel):
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for name, value in env.items():
-            if not name.startswith(ENV_PREFIX) or name.startswith(ENV_PREFIX + "API_"):
-                continue  # PROMPT_BROKER_API_*: the HTTP server's own (it checks them)
+            if not name.startswith(ENV_PREFIX) or name.startswith(_OTHERS):
+                continue  # the HTTP server's and the ops endpoint's own: they check them
             field = name[len(ENV_PREFIX) :].lower()
             if field not in cls.model_fields:
                 known = ", ".join(ENV_PREFIX + f.upper() for f in cls.model_fields)

@@ -562,14 +562,19 @@ def test_every_script_is_loaded() -> None:
 
     lua = resources.files("broker") / "lua"
     files = {p.name.removesuffix(".lua") for p in lua.iterdir() if p.name.endswith(".lua")}
-    assert set(NAMES) == files - {"_lib"}
+    assert set(NAMES) == files - {"_lib", "_retain"}
     assert len(NAMES) == len(set(NAMES))
 
 
-def test_settings_leave_the_http_servers_variables_alone() -> None:
-    """`PROMPT_BROKER_API_*` are the HTTP server's (it checks them); any other unknown
-    `PROMPT_BROKER_*` is still an error."""
-    s = Settings.from_env({"PROMPT_BROKER_API_TOKENS": "[]", "PROMPT_BROKER_KEY_PREFIX": "x"})
+def test_settings_leave_the_http_servers_and_ops_variables_alone() -> None:
+    """`PROMPT_BROKER_API_*` are the HTTP server's and `PROMPT_BROKER_OPS_*` the ops endpoint's
+    (they check them); any other unknown `PROMPT_BROKER_*` is still an error."""
+    env = {
+        "PROMPT_BROKER_API_TOKENS": "[]",
+        "PROMPT_BROKER_OPS_PORT": "9",
+        "PROMPT_BROKER_KEY_PREFIX": "x",
+    }
+    s = Settings.from_env(env)
     assert s.key_prefix == "x"
     with pytest.raises(BadItem) as e:
         Settings.from_env({"PROMPT_BROKER_KEY_PREFX": "x"})

@@ -8,6 +8,7 @@
 -- ARGV[10] what the session is now waiting on (JSON {prompt_id, kind, subject}), or '' (with an
 --          epoch: a replica's agent asks, so the session records the prompt its agent awaits)
 -- ARGV[11] the agent's state to continue from this prompt (JSON), or '' to leave it as it is
+-- ARGV[12] the stream's count limit   ARGV[13] its age limit in seconds (0: none; _retain.lua)
 --
 -- Returns {'ok', stream id, superseded prompt id or ''} or {'fenced', current epoch}.
 --
@@ -34,4 +35,8 @@ if ARGV[7] ~= '' then redis.call('HSET', KEYS[3], 'epoch', ARGV[7]) end
 if ARGV[10] ~= '' then redis.call('HSET', KEYS[4], 'wait', ARGV[10]) end
 if ARGV[11] ~= '' then redis.call('HSET', KEYS[4], 'hstate', ARGV[11]) end
 redis.call('SET', KEYS[2], ARGV[1])
+-- Pinned until audited: its entry holds its questions. Registered so a retired thread finds it.
+redis.call('ZADD', ARGV[8] .. 'pins', created, ARGV[1])
+redis.call('ZADD', ARGV[8] .. 'prompts', created, ARGV[1])
+trim_stream(ARGV[8], KEYS[1], ARGV[12], ARGV[13], tonumber(created))
 return {'ok', sid, superseded}

@@ -17,6 +17,7 @@
 --          prompt it answers, beside its author as `by`
 -- ARGV[16] the caller's idempotency key, hashed (hex), or '': a post that took effect under it
 --          is not made again; its first reply is returned (as {'repeat', reply JSON}), for a day
+-- ARGV[17] the stream's count limit   ARGV[18] its age limit in seconds (0: none; _retain.lua)
 --
 -- Returns one of
 --   {'posted', item id}                      a 'self' item, on the thread only
@@ -32,7 +33,9 @@
 -- holds them equal); Python did the Unicode work (trim, case-fold, split, numbers) beforehand.
 
 local function add_item()
-  return redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 'author', ARGV[2], 'type', ARGV[3], 'body', ARGV[4])
+  local sid = redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 'author', ARGV[2], 'type', ARGV[3], 'body', ARGV[4])
+  trim_stream(ARGV[10], KEYS[1], ARGV[17], ARGV[18], tonumber(string.match(sid, '^(%d+)')))
+  return sid
 end
 
 local function by_label(fold, m)
@@ -107,7 +110,13 @@ if idem then
 end
 -- Every reply that wrote something goes through here, so a retry under the same key repeats it.
 local function done(reply)
-  if idem then redis.call('SET', idem, cjson.encode(reply), 'EX', 86400) end
+  if idem then
+    redis.call('SET', idem, cjson.encode(reply), 'EX', 86400)
+    -- Registered so a retired thread finds it; older than a day it has expired by itself.
+    local now = now_ms()
+    redis.call('ZADD', ARGV[10] .. 'idems', now, ARGV[16])
+    redis.call('ZREMRANGEBYSCORE', ARGV[10] .. 'idems', '-inf', now - 86400000)
+  end
   return reply
 end
 
