@@ -125,6 +125,13 @@ async def test_second_delivery_keeps_the_first_time(th: Thread) -> None:
     assert first[0] == "delivered" and (await th.record())["delivered"] == "1"
 
 
+async def test_a_delivery_with_no_token_is_never_taken_for_a_retry(th: Thread) -> None:
+    """Resumed with no token (the script stores it as given), then delivered with none: that is
+    a second delivery, not a retry of the first, so it is refused."""
+    assert (await th.resume(""))[0] == "resumed"
+    assert (await th.deliver(""))[0] == "already"
+
+
 # -- interrupt.lua -----------------------------------------------------------------------------
 
 
