@@ -3,16 +3,20 @@
 Every replica here is a real process (`python -m workers.cli worker --id NAME`), started with the
 settings printed at the top; figures are printed beside their floors:
 
+0. an idle replica holding nothing: its CPU and redis-server's (process CPU time over a window).
 1. adoption time after SIGKILL: two replicas, a few threads whose scripted agent waits (held) on
    an approval, SIGKILL the replica holding most of them, and time from the kill until the other
    replica's claim is visible in each thread's session record (polled every 5 ms). Floor: the
-   lease TTL (a lease is never taken before it runs out, by design); target: within TTL + 1 s.
-2. seconds for ONE fresh replica to adopt N open prompts (held by a dead replica whose leases ran
+   lease TTL (the victim's replica record is never taken before it runs out, by design); target:
+   within TTL + 1 s.
+2. seconds for ONE fresh replica to adopt N open prompts (held by a dead replica whose record ran
    out), from its process start until every session is owned by it and marked `parked`. Floor:
-   the same per-thread Redis work (claim.lua, HGETALL session, HGETALL prompt, update.lua,
-   SUBSCRIBE) pipelined by one client in this process.
+   the same per-thread Redis work (the claim, the session and inbox read, the prompt's state,
+   update.lua, SUBSCRIBE) pipelined by one client in this process.
 3. what that replica holds afterwards: its Redis connections (server side, matched to the
-   process's own sockets), its pub/sub subscriptions and its RSS, beside an idle replica's RSS.
+   process's own sockets), its pub/sub subscriptions, its RSS beside an idle replica's, and its
+   CPU and redis-server's while nothing happens (targets: under 2% and 1% of a core). 2. and 3.
+   run for N = --prompts (10,000) and again for N = --large (100,000).
 
 Everything runs against a private `redis-server` started here on a free port (no persistence)
 and stopped by its pid at the end; every process started here is stopped by its pid. The script
@@ -306,16 +310,17 @@ async def kill_run(url: str, base: Settings, run: int, threads: int, log_dir: Pa
         mine = [t for t in names if owners[t] == victim_name]
         t_kill = time.perf_counter()
         victim.kill()
-        # The victim can renew nothing after the kill: read what its leases had left.
+        # The victim can beat no more after the kill: read what its record had left (the lease
+        # of every thread it holds).
         pipe = r.pipeline(transaction=False)
         pipe.time()
-        for t in mine:
-            pipe.hget(b.thread(t).session, "lease_until")
-        (sec, usec), *untils = await pipe.execute()
+        pipe.hget(keys.replica_records, victim_name)
+        (sec, usec), raw = await pipe.execute()
         since_kill_ms = (time.perf_counter() - t_kill) * 1000
         now_ms = int(sec) * 1000 + int(usec) // 1000 - since_kill_ms
+        until_ms = int(str(raw).partition("|")[2] or 0)
         out = KillRun(len(mine), threads - len(mine))
-        out.lease_left = [(int(u) - now_ms) / 1000 for u in untils]
+        out.lease_left = [(until_ms - now_ms) / 1000 for _ in mine]
         within = 3 * settings.lease_ttl + 10 * settings.adopt_interval + 10
         adopted, parked = await _watch_adoption(
             r, b, victim_name, mine, t_kill=t_kill, within=within
@@ -348,7 +353,7 @@ async def bench_kill(url: str, settings: Settings, args: argparse.Namespace, log
         f"threads each holding an approval; SIGKILL the replica holding most ({seconds:.0f} s)"
     )
     print(
-        f"   lease_ttl {ttl:g} s (renewed every ttl/3 +-20%), adopt_interval "
+        f"   lease_ttl {ttl:g} s (the replica record, beaten every ttl/3 +-20%), adopt_interval "
         f"{settings.adopt_interval:g} s (+-20%), URGENT_MS 500; threads killed/kept per run: "
         + ", ".join(f"{k} x{v}" for k, v in sorted(split.items()))
     )
@@ -388,13 +393,14 @@ async def prepare_dead(url: str, settings: Settings, n: int, batch: int) -> tupl
     b = Broker(_client(url, "bench-prep"), settings, owns_client=True)
     names = [f"adopt-{i:06d}" for i in range(n)]
     t0 = time.perf_counter()
+    dead, _, _ = await b.sessions.join(DEAD, 1)  # its record runs out at once
     try:
         for start in range(0, n, batch):
             chunk = names[start : start + batch]
             await asyncio.gather(
                 *(b.sessions.create(t, "scripted", "approval", CONFIG) for t in chunk)
             )
-            epochs = await b.sessions.claim_many(chunk, DEAD, 1)
+            epochs = await b.sessions.claim_many(chunk, DEAD, dead)
             await asyncio.gather(
                 *(b.sessions.update(t, epochs[t], status="running") for t in chunk)
             )
@@ -416,25 +422,30 @@ async def prepare_dead(url: str, settings: Settings, n: int, batch: int) -> tupl
 
 
 async def adoption_floor(url: str, b: Broker, names: list[str], batch: int) -> float:
-    """What adopting every thread costs Redis, done by one client in pipelines of `batch`:
-    per thread claim.lua (as DEAD again, lease 1 ms: the threads stay adoptable), HGETALL
-    session, HGETALL prompt, update.lua (status running: unchanged), and SUBSCRIBE to its wake
-    channel on one pub/sub connection. The replica does this and its own bookkeeping."""
+    """What adopting every thread costs Redis, done by one client in pages of `batch`: per
+    thread the claim (Sessions.claim_many: the session's holder read, the holder's record, one
+    claim.lua, the index writes; as a new incarnation of DEAD whose record runs out at once, so
+    the threads stay adoptable), HMGET session and LLEN inbox, HGET prompt state, update.lua
+    (status running: unchanged), and SUBSCRIBE to its wake channel on one pub/sub connection.
+    The replica does this and its own bookkeeping."""
     sub = _client(url, "bench-floor")
     pubsub = sub.pubsub()
     t0 = time.perf_counter()
     try:
+        dead, _, _ = await b.sessions.join(DEAD, 1)
+        await asyncio.sleep(0.002)
         for start in range(0, len(names), batch):
             chunk = names[start : start + batch]
-            epochs = await b.sessions.claim_many(chunk, DEAD, 1)
+            epochs = await b.sessions.claim_many(chunk, DEAD, dead)
             pipe = b.redis.pipeline(transaction=False)
             for t in chunk:
-                pipe.hgetall(b.thread(t).session)
-            sessions = await pipe.execute()
+                pipe.hmget(b.thread(t).session, ["owner", "inc", "epoch", "status", "wait"])
+                pipe.llen(b.thread(t).inbox)
+            rows = await pipe.execute()
             pipe = b.redis.pipeline(transaction=False)
-            for t, s in zip(chunk, sessions, strict=True):
-                pid = s["wait"].split('"prompt_id":"')[1].split('"')[0]
-                pipe.hgetall(b.thread(t).prompt(pid))
+            for t, row in zip(chunk, rows[::2], strict=True):
+                pid = row[4].split('"prompt_id":"')[1].split('"')[0]
+                pipe.hget(b.thread(t).prompt(pid), "state")
             await pipe.execute()
             pipe = b.redis.pipeline(transaction=False)
             for t in chunk:
@@ -586,8 +597,11 @@ async def footprint(r: Redis, proc: ReplicaProcess, port: int, before: set[str])
     return Footprint(st["VmRSS"], st["VmHWM"], mine, len(new), len(ports))
 
 
-async def idle_floor(url: str, base: Settings, port: int, log: Path) -> Footprint:
-    """An idle replica (no threads), after a few adopt sweeps and a heartbeat."""
+async def idle_floor(
+    url: str, base: Settings, port: int, log: Path, window: float
+) -> tuple[Footprint, Busy]:
+    """An idle replica (no threads), after a few adopt sweeps and a heartbeat; and its CPU (and
+    redis-server's) over `window` s."""
     settings = base.model_copy(update={"key_prefix": f"idle-{uuid.uuid4().hex[:6]}"})
     r = _client(url)
     before = {c["id"] for c in await r.client_list()}
@@ -595,7 +609,8 @@ async def idle_floor(url: str, base: Settings, port: int, log: Path) -> Footprin
     try:
         await replicas_up(r, Keys(settings.key_prefix), [proc])
         await asyncio.sleep(max(2.0, 2 * settings.adopt_interval, settings.lease_ttl / 3 * 1.3))
-        return await footprint(r, proc, port, before)
+        fp = await footprint(r, proc, port, before)
+        return fp, await busy(r, proc.pid, window)
     finally:
         await proc.stop(30)
         await r.aclose()
@@ -650,7 +665,7 @@ async def bench_footprint(
     n: int,
     idle: Footprint,
     window: float,
-) -> tuple[Footprint, int, int]:
+) -> tuple[Footprint, int, Busy]:
     r = _client(url)
     b = Broker(r, settings)
     try:
@@ -691,9 +706,9 @@ async def bench_footprint(
             "parked thread"
         )
     print(
-        f"   CPU holding them, nothing answered, over {len(load.replica)} s (heartbeat renews "
-        f"{n:,} leases every ~{settings.lease_ttl / 3:.2f} s; every ~{settings.sweep_interval:g} s "
-        "the sweep re-examines every thread):"
+        f"   CPU holding them, nothing answered, over {len(load.replica)} s (process CPU time "
+        f"over the window; one record write every ~{settings.lease_ttl / 3:.2f} s whatever it "
+        f"holds, one adoption look every ~{settings.adopt_interval:g} s, no timer re-read):"
     )
     for label, xs in [("replica process", load.replica), ("redis-server", load.server)]:
         print(
@@ -701,8 +716,8 @@ async def bench_footprint(
             f"{max(xs) * 100:4.0f}%"
         )
     said = f"{stop_s:.1f} s" if stop_s is not None else "did not exit within 120 s: SIGKILLed"
-    print(f"   clean stop (SIGTERM -> exit, releasing {n:,} leases): {said}")
-    return fp, conns, load.rss_kb
+    print(f"   clean stop (SIGTERM -> exit, releasing {n:,} threads): {said}")
+    return fp, conns, load
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -733,6 +748,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="open prompts one replica adopts (default 10000, quick 1000)",
     )
     parser.add_argument(
+        "--large",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a second, larger adoption whose idle cost is measured too (default 100000, quick "
+        "5000; 0: none)",
+    )
+    parser.add_argument(
         "--batch", type=int, default=500, metavar="N", help="threads prepared at once (500)"
     )
     parser.add_argument(
@@ -750,8 +773,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=None,
         metavar="S",
-        help="seconds the CPU of the replica holding N threads is sampled (default: "
-        "sweep_interval + 2, quick 5)",
+        help="seconds the CPU of each replica (idle, holding N) is sampled (default 10, quick 5)",
     )
     parser.add_argument(
         "--only", choices=["kill", "adopt"], action="append", help="run only this part"
@@ -769,8 +791,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.runs = args.runs or (5 if args.quick else 20)
     args.prompts = args.prompts or (1_000 if args.quick else 10_000)
+    if args.large is None:
+        args.large = 5_000 if args.quick else 100_000
     if args.cpu_window is None:
-        args.cpu_window = 5.0 if args.quick else Settings().sweep_interval + 2
+        args.cpu_window = 5.0 if args.quick else 10.0
     if args.redis_server is None:
         parser.error("redis-server is not on PATH: pass --redis-server")
     if min(args.runs, args.threads, args.prompts, args.batch) < 1:
@@ -827,49 +851,83 @@ async def run(args: argparse.Namespace, url: str, port: int, log: Path) -> Summa
     return summary
 
 
+def _cpu(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
 async def _adopt_and_footprint(
     args: argparse.Namespace, base: Settings, url: str, *, port: int, log: Path, summary: Summary
 ) -> None:
-    idle = await idle_floor(url, base, port, log)
-    settings = base.model_copy(update={"key_prefix": f"adopt-{uuid.uuid4().hex[:6]}"})
-    adoption, floor, proc, before = await bench_adopt(url, settings, args.prompts, args.batch, log)
-    try:
-        fp, conns, rss_later = await bench_footprint(
-            url,
-            settings,
-            proc,
-            port=port,
-            before=before,
-            n=args.prompts,
-            idle=idle,
-            window=args.cpu_window,
+    idle, idle_load = await idle_floor(url, base, port, log, args.cpu_window)
+    print(
+        f"\n0. An idle replica holding nothing, over {len(idle_load.replica)} s: replica "
+        f"{_cpu(idle_load.replica) * 100:.2f}% of a core, redis-server "
+        f"{_cpu(idle_load.server) * 100:.2f}%"
+    )
+    summary.add(
+        "idle CPU, 0 threads (replica / redis)",
+        f"{_cpu(idle_load.replica) * 100:.2f}% / {_cpu(idle_load.server) * 100:.2f}%",
+        "-",
+        "< 2% / < 1%",
+        verdict(_cpu(idle_load.replica) < 0.02 and _cpu(idle_load.server) < 0.01),
+    )
+    for n in [args.prompts, *([args.large] if args.large else [])]:
+        settings = base.model_copy(update={"key_prefix": f"adopt-{uuid.uuid4().hex[:6]}"})
+        adoption, floor, proc, before = await bench_adopt(url, settings, n, args.batch, log)
+        try:
+            fp, conns, load = await bench_footprint(
+                url,
+                settings,
+                proc,
+                port=port,
+                before=before,
+                n=n,
+                idle=idle,
+                window=args.cpu_window,
+            )
+        finally:
+            await proc.stop(120)
+        cpu, srv = _cpu(load.replica), _cpu(load.server)
+        summary.add(
+            f"idle CPU, {n:,} parked (replica / redis)",
+            f"{cpu * 100:.2f}% / {srv * 100:.2f}%",
+            f"{_cpu(idle_load.replica) * 100:.2f}% / {_cpu(idle_load.server) * 100:.2f}% (0)",
+            "< 2% / < 1%",
+            verdict(cpu < 0.02 and srv < 0.01),
         )
-    finally:
-        await proc.stop(120)
-    n = args.prompts
-    summary.add(
-        f"one replica adopts {n:,} prompts",
-        f"{adoption.parked:.2f} s ({n / adoption.parked:,.0f}/s)",
-        f"{floor:.2f} s (same Redis work, 1 client)",
-        "none given",
-        "-",
-    )
-    summary.add(
-        f"Redis connections, {n:,} parked",
-        str(conns),
-        f"{len(idle.connections)} (idle replica)",
-        f"<= {CONNECTIONS_TARGET}",
-        verdict(conns <= CONNECTIONS_TARGET),
-    )
-    summary.add(
-        f"RSS, {n:,} parked",
-        f"{fp.rss_kb / 1024:.1f} MiB ({rss_later / 1024:.1f} MiB {args.cpu_window:.0f} s later)",
-        f"{idle.rss_kb / 1024:.1f} MiB (idle replica)",
-        "none given",
-        "-",
-    )
-    subs = sum(int(c.get("sub", 0)) for c in fp.connections)
-    summary.add(f"pub/sub channels, {n:,} parked", f"{subs:,}", f"{n:,} (one per thread)", "-", "-")
+        summary.add(
+            f"one replica adopts {n:,} prompts",
+            f"{adoption.parked:.2f} s ({n / adoption.parked:,.0f}/s)",
+            f"{floor:.2f} s (same Redis work, 1 client)",
+            "<= 1 s" if n <= 10_000 else "none given",
+            verdict(adoption.parked <= 1.0) if n <= 10_000 else "-",
+        )
+        summary.add(
+            f"  of which from its first claim, {n:,}",
+            f"{adoption.parked - adoption.first:.2f} s",
+            f"start -> first heartbeat {adoption.beat:.2f} s",
+            "-",
+            "-",
+        )
+        summary.add(
+            f"Redis connections, {n:,} parked",
+            str(conns),
+            f"{len(idle.connections)} (idle replica)",
+            f"<= {CONNECTIONS_TARGET}",
+            verdict(conns <= CONNECTIONS_TARGET),
+        )
+        summary.add(
+            f"RSS, {n:,} parked",
+            f"{fp.rss_kb / 1024:.1f} MiB "
+            f"({load.rss_kb / 1024:.1f} MiB {args.cpu_window:.0f} s later)",
+            f"{idle.rss_kb / 1024:.1f} MiB (idle replica)",
+            "none given",
+            "-",
+        )
+        subs = sum(int(c.get("sub", 0)) for c in fp.connections)
+        summary.add(
+            f"pub/sub channels, {n:,} parked", f"{subs:,}", f"{n:,} (one per thread)", "-", "-"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -219,8 +219,14 @@ class Replica:
     # -- leases ------------------------------------------------------------------------------
 
     async def _adopt(self) -> None:
-        while not self._stopping and await self._adopt_page(ADOPT_PAGE):
-            pass
+        # Each page's threads are subscribed to and looked at while the next page is claimed.
+        attaching: list[asyncio.Task[None]] = []
+        try:
+            while not self._stopping and await self._adopt_page(ADOPT_PAGE, attaching):
+                pass
+        finally:
+            if attaching:
+                await asyncio.gather(*attaching, return_exceptions=True)
 
     async def _join(self) -> None:
         """Start a new incarnation; free what a former one of this id held (it is dead now)."""
@@ -230,7 +236,7 @@ class Replica:
             freed = await sessions.free(self.id, former)
             logger.info("replica.freed_former", extra={"replica": self.id, "threads": freed})
 
-    async def _adopt_page(self, limit: int) -> bool:
+    async def _adopt_page(self, limit: int, attaching: list[asyncio.Task[None]]) -> bool:
         """One look at the threads without a live holder; True if it claimed a full page."""
         fleet = await self.broker.sessions.look()
         if self.incarnation not in {r.incarnation for r in fleet.alive().values()}:
@@ -247,17 +253,17 @@ class Replica:
         random.shuffle(candidates)
         candidates = candidates[: -(-len(candidates) // alive)]
         claimed = await self.broker.sessions.claim_many(candidates, self.id, self.incarnation)
-        await self._attach(claimed)
+        for thread_id, epoch in claimed.items():
+            self.threads[thread_id] = _Thread(thread_id, epoch, listener=self._kicker(thread_id))
+        attaching.append(asyncio.create_task(self._attach(claimed)))
         if claimed:
             logger.info("replica.adopted", extra={"replica": self.id, "threads": len(claimed)})
         return len(claimed) >= limit
 
     async def _attach(self, claimed: Mapping[str, int]) -> None:
         """Hold the claimed threads: listen to all their bells (one SUBSCRIBE), look at each."""
-        for thread_id, epoch in claimed.items():
-            t = self.threads[thread_id] = _Thread(thread_id, epoch)
-            t.listener = self._kicker(thread_id)
-        await self.broker.listen_many({t: self.threads[t].listener for t in claimed})
+        held = {t: self.threads[t] for t in claimed if t in self.threads}
+        await self.broker.listen_many({t: h.listener for t, h in held.items()})
         # One batched look, not one examination each: most adopted threads just wait.
         try:
             await self._sweep(set(claimed))
