@@ -43,6 +43,8 @@ Ready = Callable[[], Awaitable[str | None]]  # None when ready, else why not
 PORT_ENV = "PROMPT_BROKER_OPS_PORT"
 HOST_ENV = "PROMPT_BROKER_OPS_HOST"
 SAMPLE_ENV = "PROMPT_BROKER_OPS_SAMPLE"
+#: Seconds a turn may run without asking anything before it is stopped as failed (0: never).
+DEFAULT_TURN_TIMEOUT = 1800.0
 #: The port the image's healthchecks and probes use.
 DEFAULT_PORT = 9464
 
@@ -129,8 +131,11 @@ async def serve_ops(ready: Ready, port: int, host: str | None = None) -> AsyncIt
 
 @contextlib.asynccontextmanager
 async def serve_replica_ops(replica: Replica, port: int | None = None) -> AsyncIterator[int]:
-    """A replica's ops endpoint (none when the port is 0); its harnesses count their turns."""
-    metrics.instrument(replica.harnesses)
+    """A replica's ops endpoint (none when the port is 0). Its harnesses count their turns,
+    and a turn quiet for `PROMPT_BROKER_OPS_TURN_TIMEOUT` seconds is stopped as failed."""
+    metrics.instrument(
+        replica.harnesses, _env_number(metrics.TURN_TIMEOUT_ENV, DEFAULT_TURN_TIMEOUT)
+    )
     metrics.count_logs()
     port = ops_port() if port is None else port
     if not port:

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -37,6 +39,8 @@ from workers.ops_status import FleetStatus, fleet_status
 __all__ = ["REGISTRY", "FleetSampler", "LogCounter", "instrument"]
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+#: Seconds a turn may run without asking anything (0: no limit); read by `workers.health`.
+TURN_TIMEOUT_ENV = "PROMPT_BROKER_OPS_TURN_TIMEOUT"
 
 #: Seconds to days: a person may answer at once or after a weekend.
 ANSWER_BUCKETS = (1, 5, 15, 30, 60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600, 86400, 3 * 86400,
@@ -110,6 +114,13 @@ TURNS = Counter(
     "Turns run by this replica, by harness and how they ended: completed, parked (waiting on a "
     "person with the turn ended), failed (the harness reported a failure), error (it raised).",
     ["harness", "outcome"],
+    registry=REGISTRY,
+)
+TIMED_OUT = Counter(
+    "prompt_broker_turns_timed_out",
+    "Turns stopped for running the turn timeout without asking anything (also counted in "
+    "prompt_broker_turns_total as failed).",
+    ["harness"],
     registry=REGISTRY,
 )
 TURN_SECONDS = Histogram(
@@ -206,33 +217,95 @@ def count_logs() -> None:
 # -- harness wrapper --------------------------------------------------------------------------
 
 
-class _Instrumented:
-    """A harness that counts and times its turns; everything else goes to the harness."""
+class _Watched:
+    """A turn's handle that tells the watchdog when the agent waits on a person."""
 
-    def __init__(self, harness: Harness) -> None:
+    def __init__(self, handle: Any, clock: _Clock) -> None:
+        self._handle = handle
+        self._clock = clock
+
+    async def ask(self, kind: Any, questions: Any, *, state: Any = None) -> Any:
+        self._clock.waiting += 1
+        try:
+            return await self._handle.ask(kind, questions, state=state)
+        finally:
+            self._clock.waiting -= 1
+            self._clock.since = time.monotonic()  # an answer starts the quiet time again
+
+
+@dataclass
+class _Clock:
+    since: float = field(default_factory=time.monotonic)
+    waiting: int = 0
+
+
+def _timeout_text(seconds: float) -> str:
+    return (
+        f"it ran {seconds:g} s without asking anything or ending, and was stopped "
+        f"(the turn timeout, {TURN_TIMEOUT_ENV}); nothing it had not finished was kept"
+    )
+
+
+class _Instrumented:
+    """A harness that counts and times its turns, and stops a turn that runs `turn_timeout`
+    seconds without asking anything (time spent waiting on a person does not count); everything
+    else goes to the harness."""
+
+    def __init__(self, harness: Harness, turn_timeout: float = 0) -> None:
         self._harness = harness
         self.name = harness.name
+        self.turn_timeout = turn_timeout
 
     async def run_turn(self, turn: Turn) -> TurnResult:
         started = time.monotonic()
         outcome = "error"
         try:
-            result = await self._harness.run_turn(turn)
+            result = await self._run(turn)
             outcome = result.status
             return result
         finally:
             TURNS.labels(self.name, outcome).inc()
             TURN_SECONDS.labels(self.name).observe(time.monotonic() - started)
 
+    async def _run(self, turn: Turn) -> TurnResult:
+        if not self.turn_timeout:
+            return await self._harness.run_turn(turn)
+        clock = _Clock()
+        task = asyncio.ensure_future(
+            self._harness.run_turn(dataclasses.replace(turn, handle=_Watched(turn.handle, clock)))
+        )
+        try:
+            while True:
+                quiet = 0.0 if clock.waiting else time.monotonic() - clock.since
+                left = max(0.05, self.turn_timeout - quiet)
+                done, _ = await asyncio.wait({task}, timeout=min(left, 1.0))
+                if done:
+                    return task.result()
+                if not clock.waiting and time.monotonic() - clock.since >= self.turn_timeout:
+                    break
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        TIMED_OUT.labels(self.name).inc()
+        logging.getLogger("workers.metrics").warning(
+            "turn.timed_out", extra={"thread_id": turn.thread_id, "timeout": self.turn_timeout}
+        )
+        return TurnResult("failed", state=turn.state, error=_timeout_text(self.turn_timeout))
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._harness, name)
 
 
-def instrument(harnesses: dict[str, Harness]) -> None:
-    """Wrap every harness of `harnesses` (in place) to count and time its turns."""
+def instrument(harnesses: dict[str, Harness], turn_timeout: float = 0) -> None:
+    """Wrap every harness of `harnesses` (in place) to count and time its turns, and to stop
+    a turn quiet for `turn_timeout` seconds (0: never)."""
     for name, harness in list(harnesses.items()):
-        if not isinstance(harness, _Instrumented):
-            harnesses[name] = _Instrumented(harness)
+        if isinstance(harness, _Instrumented):
+            harness.turn_timeout = turn_timeout
+        else:
+            harnesses[name] = _Instrumented(harness, turn_timeout)
 
 
 # -- fleet sampler ----------------------------------------------------------------------------
