@@ -119,10 +119,15 @@ def test_architecture_lists_every_key() -> None:
         thread.wake,
         thread.prompt("<prompt_id>"),
         thread.agent("<name>"),
+        thread.agents,
+        thread.prompts,
+        thread.idems,
         keys.open,
         keys.audit,
         keys.leases,
         keys.replicas,
+        keys.replica_records,
+        keys.holds("<replica>", "<incarnation>"),
         keys.audit_queue,
         "arq:job:" + keys.audit_job_id("T", "<prompt_id>"),
         event_key(keys),
@@ -130,7 +135,8 @@ def test_architecture_lists_every_key() -> None:
     for name in names:
         assert f"| `{name}` |" in ARCHITECTURE, f"{name} is not in docs/architecture.md"
     built = {n for n in dir(thread) if not n.startswith("_")} - {"thread_id", "base"}
-    assert built <= {"items", "active", "inbox", "session", "wake", "prompt", "agent"}, (
+    known = {"items", "active", "inbox", "session", "wake", "prompt", "agent"}
+    assert built <= known | {"agents", "prompts", "idems"}, (
         f"a new per-thread key ({built}): add it to docs/architecture.md and to this test"
     )
 
