@@ -17,6 +17,7 @@ from broker.keys import ThreadKeys
 from tests.test_delivery_once import EPOCH, Thread, asked, interrupt
 
 TTL = 60_000
+INC = "inc1"  # the claiming replica's incarnation
 
 
 @pytest.fixture
@@ -34,11 +35,22 @@ async def hgetall(b: Broker, key: str) -> dict[str, str]:
 
 
 async def claimed(b: Broker, thread_id: str = "t1", replica: str = "r1") -> ThreadKeys:
-    """A session made and claimed by `replica` at epoch 1."""
+    """A session made and claimed by `replica` (incarnation `INC`) at epoch 1."""
     await b.sessions.create(thread_id, "scripted", "approval", {})
     tk = b.thread(thread_id)
-    assert (await call(b, "claim", [tk.session], [replica, TTL]))[:2] == ["claimed", "1"]
+    # As the holder-less session was read: nobody holds it, no record was seen.
+    assert await call(b, "claim", [tk.session], [replica, INC, "", "", "", 0]) == [
+        "claimed",
+        "1",
+        "",
+        "",
+    ]
     return tk
+
+
+def retention(b: Broker) -> list[Any]:
+    """The stream limits the ask and audit scripts take last."""
+    return [b.settings.stream_max_items, b.settings.stream_max_age]
 
 
 def wait_on(prompt_id: str) -> str:
@@ -144,33 +156,6 @@ async def test_a_wait_on_another_prompt_is_not_an_interruption(th: Thread) -> No
     assert s["status"] == "parked" and "wait" in s
 
 
-# -- renew.lua ---------------------------------------------------------------------------------
-
-
-async def test_renew_only_by_the_holder_at_its_epoch(broker: Broker) -> None:
-    """Another replica, or the holder at an old epoch, renews nothing."""
-    tk = await claimed(broker)
-    before = (await hgetall(broker, tk.session))["lease_until"]
-    assert await call(broker, "renew", [tk.session], ["r2", EPOCH, TTL * 10]) == ["lost", "r1", "1"]
-    assert await call(broker, "renew", [tk.session], ["r1", EPOCH - 1, TTL * 10]) == [
-        "lost",
-        "r1",
-        "1",
-    ]
-    assert (await hgetall(broker, tk.session))["lease_until"] == before
-
-
-async def test_renew_extends_the_records_deadline(broker: Broker) -> None:
-    """The record's deadline moves (claim decides on it, not on the index)."""
-    tk = await claimed(broker)
-    before = int((await hgetall(broker, tk.session))["lease_until"])
-    status, deadline = await call(broker, "renew", [tk.session], ["r1", EPOCH, TTL * 10])
-    assert status == "renewed" and int(deadline) > before + TTL
-    assert (await hgetall(broker, tk.session))["lease_until"] == deadline
-    # So another replica is refused past the first lease's end too.
-    assert (await call(broker, "claim", [tk.session], ["r2", TTL]))[0] == "held"
-
-
 # -- release.lua -------------------------------------------------------------------------------
 
 
@@ -187,9 +172,7 @@ async def test_release_fences_the_old_epoch(broker: Broker) -> None:
     tk = await claimed(broker)
     assert await call(broker, "release", [tk.session], ["r1", EPOCH]) == ["released"]
     s = await hgetall(broker, tk.session)
-    assert s["owner"] == "" and s["epoch"] == str(EPOCH + 1)
-    session = await broker.sessions.get("t1")
-    assert session is not None and session.lease_until is None
+    assert s["owner"] == "" and s["inc"] == "" and s["epoch"] == str(EPOCH + 1)
     assert await call(broker, "update", [tk.session], [EPOCH, "status", "running"]) == [
         "fenced",
         str(EPOCH + 1),
@@ -199,26 +182,51 @@ async def test_release_fences_the_old_epoch(broker: Broker) -> None:
 # -- claim.lua ---------------------------------------------------------------------------------
 
 
+def claim_args(replica: str, seen: tuple[str, str], record: tuple[str, int]) -> list[Any]:
+    """A claim by `replica` (incarnation "inc2") that read holder `seen` and its `record`."""
+    return [replica, "inc2", *seen, *record]
+
+
 async def test_claim_of_no_session_writes_nothing(broker: Broker) -> None:
     tk = broker.thread("t1")
-    assert await call(broker, "claim", [tk.session], ["r1", TTL]) == ["missing"]
+    assert await call(broker, "claim", [tk.session], claim_args("r1", ("", ""), ("", 0))) == [
+        "missing"
+    ]
     assert await broker.redis.exists(tk.session) == 0
 
 
 async def test_claim_of_a_closed_thread_is_refused(broker: Broker) -> None:
     tk = await claimed(broker)
     assert (await call(broker, "close", [tk.session], []))[0] == "closed"
-    assert await call(broker, "claim", [tk.session], ["r2", TTL]) == ["closed"]
+    args = claim_args("r2", ("", ""), ("", 0))
+    assert await call(broker, "claim", [tk.session], args) == ["closed"]
     assert (await hgetall(broker, tk.session))["owner"] == ""
 
 
-async def test_claim_takes_an_expired_lease_and_bumps_the_epoch(broker: Broker) -> None:
-    """A lease whose deadline passed (here: set in the past) is taken, at a new epoch; the
-    holder may claim its own thread again, at a new epoch too."""
+async def test_claim_only_from_the_holder_it_read(broker: Broker) -> None:
+    """A claim that read another holder than the session names now takes nothing ('moved')."""
     tk = await claimed(broker)
-    assert (await call(broker, "claim", [tk.session], ["r1", -1000]))[:2] == ["claimed", "2"]
-    assert (await call(broker, "claim", [tk.session], ["r2", TTL]))[:2] == ["claimed", "3"]
-    assert (await hgetall(broker, tk.session))["owner"] == "r2"
+    for seen in (("r9", INC), ("r1", "old")):
+        args = claim_args("r2", seen, ("", 0))
+        assert await call(broker, "claim", [tk.session], args) == ["moved", "r1", INC]
+    s = await hgetall(broker, tk.session)
+    assert s["owner"] == "r1" and s["epoch"] == "1"
+
+
+async def test_claim_only_from_a_dead_holder(broker: Broker) -> None:
+    """A holder whose record is its own incarnation with a deadline to come is alive: held. Seen
+    dead (its deadline passed, or the record is another incarnation's), it is taken, at a new
+    epoch."""
+    tk = await claimed(broker)
+    future = await broker.sessions.server_ms() + TTL
+    alive = claim_args("r2", ("r1", INC), (INC, future))
+    assert await call(broker, "claim", [tk.session], alive) == ["held", "r1", INC]
+    other = claim_args("r2", ("r1", INC), ("inc0", future))
+    assert await call(broker, "claim", [tk.session], other) == ["claimed", "2", "r1", INC]
+    expired = claim_args("r3", ("r2", "inc2"), ("inc2", 1))
+    assert await call(broker, "claim", [tk.session], expired) == ["claimed", "3", "r2", "inc2"]
+    s = await hgetall(broker, tk.session)
+    assert s["owner"] == "r3" and s["epoch"] == "3"
 
 
 # -- close.lua and create.lua ------------------------------------------------------------------
@@ -259,17 +267,17 @@ async def test_update_is_fenced(broker: Broker) -> None:
 # -- ask.lua -----------------------------------------------------------------------------------
 
 
-def ask_args(tk: ThreadKeys, prompt_id: str, epoch: Any) -> tuple[list[str], list[Any]]:
+def ask_args(b: Broker, tk: ThreadKeys, prompt_id: str, epoch: Any) -> tuple[list[str], list[Any]]:
     keys = [tk.items, tk.active, tk.prompt(prompt_id), tk.session]
     body = orjson.dumps({"content": [], "metadata": {"type": "pending_prompt"}})
     args = [prompt_id, "itm_x", "agent", body, "approval", "{}", epoch, tk.base, tk.wake, "", ""]
-    return keys, args
+    return keys, args + retention(b)
 
 
 async def test_ask_is_fenced(broker: Broker) -> None:
     """A stale holder asks nothing: no item, no lock, no record."""
     tk = await claimed(broker)
-    keys, args = ask_args(tk, "pmt_a", EPOCH - 1)
+    keys, args = ask_args(broker, tk, "pmt_a", EPOCH - 1)
     assert await call(broker, "ask", keys, args) == ["fenced", "1"]
     assert await broker.redis.exists(tk.items, tk.active, tk.prompt("pmt_a")) == 0
 
@@ -277,7 +285,7 @@ async def test_ask_is_fenced(broker: Broker) -> None:
 async def test_ask_again_does_not_supersede_itself(broker: Broker) -> None:
     """An ask retried with the prompt id that holds the lock keeps that prompt pending."""
     tk = await claimed(broker)
-    keys, args = ask_args(tk, "pmt_a", EPOCH)
+    keys, args = ask_args(broker, tk, "pmt_a", EPOCH)
     assert (await call(broker, "ask", keys, args))[0] == "ok"
     status, _, superseded = await call(broker, "ask", keys, args)
     assert status == "ok" and superseded == ""
@@ -289,7 +297,8 @@ async def test_ask_again_does_not_supersede_itself(broker: Broker) -> None:
 
 def audit_args(th: Thread, state: str, item: str = "itm_r") -> tuple[list[str], list[Any]]:
     body = orjson.dumps({"content": [], "metadata": {"type": "pending_prompt_resolved"}})
-    return [th.tk.prompt(th.pid), th.tk.items], [item, "audit", body, state, "0"]
+    args = [item, "audit", body, state, "0", th.tk.base, th.pid, *retention(th.b)]
+    return [th.tk.prompt(th.pid), th.tk.items], args
 
 
 async def test_audit_refuses_an_undelivered_answer(th: Thread) -> None:
