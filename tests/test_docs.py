@@ -173,6 +173,15 @@ def test_operations_names_only_log_events_that_exist() -> None:
         assert f'"{event}"' in code, f"no log event {event!r} in broker/ or workers/"
 
 
+def test_operations_lists_every_metric() -> None:
+    """Every Prometheus metric `workers/metrics.py` defines is named in docs/operations.md."""
+    source = (ROOT / "workers" / "metrics.py").read_text()
+    names = re.findall(r"(?:Gauge|Counter|Histogram)\(\s*\"(prompt_broker_\w+)\"", source)
+    assert len(names) >= 10
+    missing = [n for n in names if f"`{n}`" not in OPERATIONS]
+    assert not missing, f"not in docs/operations.md: {missing}"
+
+
 def test_operations_names_only_tests_that_exist() -> None:
     """Every test the crash-test matrix of docs/operations.md names is a test in tests/."""
     named = re.findall(r"`(test_\w+\.py)::(test_\w+)`", OPERATIONS)
