@@ -896,7 +896,6 @@ class Broker:
                         prompt.state,
                         self.settings.resolved_ttl,
                         tk.base,
-                        prompt_id,
                         *self._retention,
                     ],
                 )

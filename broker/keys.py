@@ -18,11 +18,11 @@ With the default prefix `pp`:
   `grant`, `interrupted`: a cut-off turn, for the next turn to tell, ...).
 - `pp:{T}:agent:<name>` (list): a harness's own session data (e.g. Claude Code transcripts),
   zlib-compressed batches (workers/agent_store.py); `pp:{T}:agents` (set) names them.
-- `pp:{T}:pins` (sorted set): prompt id -> creation ms of every prompt not yet audited: the
-  stream is never trimmed past the oldest (broker/lua/_retain.lua has the policy).
-- `pp:{T}:prompts` (sorted set): every prompt ever asked on the thread, and `pp:{T}:idems`
-  (sorted set) its idempotency records (`pp:{T}:idem:<hash>`): when a thread closes, every
-  key of it is found from these, without a scan, and given the `closed_ttl` expiry.
+- `pp:{T}:prompts` (sorted set): audited prompts whose stream entry was trimmed while their
+  record remains, and `pp:{T}:idems` (sorted set): the thread's idempotency records
+  (`pp:{T}:idem:<hash>`). With the `pending_prompt` entries still in the stream they let a
+  closing thread's keys be found without a scan and given the `closed_ttl` expiry. The stream
+  is trimmed by broker/lua/_retain.lua's policy, never past a prompt not yet audited.
 - `pp:{T}:wake` (channel): the doorbell: resolutions and queued items, as JSON.
 - `pp:open` (sorted set): `T/prompt_id` of open prompts by creation time (ms).
 - `pp:audit` (sorted set): `T/prompt_id` of resolutions whose audit item is not yet posted.
@@ -103,10 +103,6 @@ class ThreadKeys:
 
     def prompt(self, prompt_id: str) -> str:
         return self.base + "prompt:" + prompt_id
-
-    @property
-    def pins(self) -> str:
-        return self.base + "pins"
 
     @property
     def prompts(self) -> str:

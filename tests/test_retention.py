@@ -68,7 +68,7 @@ async def test_closed_thread_leaves_no_key_behind(make_broker: BrokerFactory) ->
     # A turn finishing after the close writes its transcript: it takes the thread's time.
     await AgentStore(b, "t").append("claude:late", transcript(3))
     left = await thread_keys(b, "t")
-    expected = {"items", "session", "inbox", "prompts", "agents", "idems"}
+    expected = {"items", "session", "inbox", "agents", "idems"}
     assert expected <= {k.rsplit(":", 1)[-1] for k in left}
     assert all(0 < ttl <= 1000 for ttl in left.values()), left
     await asyncio.sleep(1.3)
@@ -112,11 +112,13 @@ async def test_stream_trimmed_by_count_never_past_an_unaudited_prompt(
     await post_self(b, "t", 5)
     p = await b.ask("t", "text", TEXT)
     await post_self(b, "t", 300)
-    assert await b.redis.xlen(tk.items) == 306  # pinned: nothing trimmed
+    # The five older items went; the open prompt's entry stopped the trim: it and all after it
+    # stay, over the limit, while it is open.
+    assert await b.redis.xlen(tk.items) == 301
     assert (await b.get_prompt("t", p.prompt_id)).questions[0].question == "Name?"
     await b.post_item("t", text("Ann"))
     # Answered but not yet delivered and audited: its entry is still needed.
-    assert await b.redis.xlen(tk.items) == 307
+    assert await b.redis.xlen(tk.items) == 302
     await b.wait("t", p.prompt_id, timeout=5)
     await b.settle()  # the delivery mark is written in the background
     await b.post_resolution("t", p.prompt_id)  # unpinned, and trimmed in the same step
@@ -175,3 +177,24 @@ def test_codec_round_trip() -> None:
     assert encode_batch([{"a": 1}]) == [b'{"a":1}']  # too small to pay for zlib's overhead
     with pytest.raises(zlib.error):
         decode_element(b"\x01not zlib")
+
+
+async def test_a_prompt_whose_entry_was_trimmed_still_expires_with_its_thread(
+    make_broker: BrokerFactory,
+) -> None:
+    """An audited prompt's record outlives its trimmed entry (`resolved_ttl`): closing the
+    thread still finds it and gives it the thread's expiry."""
+    b = await make_broker(stream_max_items=5, closed_ttl=1)
+    await b.sessions.create("t", "scripted")
+    p = await b.ask("t", "text", TEXT)
+    await b.post_item("t", text("Ann"))
+    await b.wait("t", p.prompt_id, timeout=5)
+    await b.settle()
+    await b.post_resolution("t", p.prompt_id)
+    await post_self(b, "t", 20)
+    assert all(i.type != "pending_prompt" for i in await b.items("t"))  # its entry is gone
+    assert await b.redis.ttl(b.thread("t").prompt(p.prompt_id)) > 86400
+    await b.sessions.close("t")
+    assert 0 < await b.redis.pttl(b.thread("t").prompt(p.prompt_id)) <= 1000
+    await asyncio.sleep(1.3)
+    assert await thread_keys(b, "t") == {}

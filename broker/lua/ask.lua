@@ -35,8 +35,5 @@ if ARGV[7] ~= '' then redis.call('HSET', KEYS[3], 'epoch', ARGV[7]) end
 if ARGV[10] ~= '' then redis.call('HSET', KEYS[4], 'wait', ARGV[10]) end
 if ARGV[11] ~= '' then redis.call('HSET', KEYS[4], 'hstate', ARGV[11]) end
 redis.call('SET', KEYS[2], ARGV[1])
--- Pinned until audited: its entry holds its questions. Registered so a retired thread finds it.
-redis.call('ZADD', ARGV[8] .. 'pins', created, ARGV[1])
-redis.call('ZADD', ARGV[8] .. 'prompts', created, ARGV[1])
 trim_stream(ARGV[8], KEYS[1], ARGV[12], ARGV[13], tonumber(created))
 return {'ok', sid, superseded}
