@@ -66,6 +66,9 @@ from broker import (
 )
 from broker.sessions import delivery_token
 from workers import policy
+
+# A harness's durable session data: compressed, and expiring with its closed thread.
+from workers.agent_store import AgentStore as _Store
 from workers.grants import approves, covers, resume_text
 from workers.harness import (
     Gate,
@@ -710,10 +713,6 @@ class Replica:
     def _leave_hold(self, held: _HeldWait) -> None:
         if self._held.get(held.thread_id) is held:
             del self._held[held.thread_id]
-
-
-# A harness's durable session data: compressed, and expiring with its closed thread.
-from workers.agent_store import AgentStore as _Store  # noqa: E402
 
 
 class _Slot:
