@@ -39,6 +39,7 @@ NAMES = (
     "interrupt",
     "close",
     "agent",
+    "compact",
 )
 
 

@@ -745,15 +745,29 @@ class Broker:
         events.queue_event(pipe, self.keys, events.CANCELLED, thread_id, prompt_id, reason=reason)
         await self._scripts.run_pipeline(self.redis, pipe)
 
-    async def append_agent_data(self, thread_id: str, name: str, elements: Sequence[bytes]) -> None:
+    async def append_agent_data(self, thread_id: str, name: str, elements: Sequence[bytes]) -> int:
         """Append `elements` to a harness's list `agent:<name>` on the thread (agent.lua): the
-        name is registered so a closed thread's expiry reaches it (workers/agent_store.py)."""
+        name is registered so a closed thread's expiry reaches it (workers/agent_store.py).
+        Returns the list's length."""
         self._check_open()
-        if elements:
-            tk = self.thread(thread_id)
+        tk = self.thread(thread_id)
+        return int(
             await self._scripts.call(
                 self.redis, "agent", [tk.agent(name), tk.agents, tk.session], [name, *elements]
             )
+        )
+
+    async def compact_agent_data(
+        self, thread_id: str, name: str, *, length: int, count: int, batch: bytes, first: bytes
+    ) -> bool:
+        """Replace the last `count` elements of `agent:<name>` (read when it had `length`, the
+        first of them `first`) by `batch`; False when the list changed meanwhile (compact.lua)."""
+        self._check_open()
+        key = self.thread(thread_id).agent(name)
+        reply = await self._scripts.call(
+            self.redis, "compact", [key], [length, count, batch, first]
+        )
+        return bool(reply)
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -198,3 +198,26 @@ async def test_a_prompt_whose_entry_was_trimmed_still_expires_with_its_thread(
     assert 0 < await b.redis.pttl(b.thread("t").prompt(p.prompt_id)) <= 1000
     await asyncio.sleep(1.3)
     assert await thread_keys(b, "t") == {}
+
+
+async def test_entries_appended_one_at_a_time_are_folded_into_batches(broker: Broker) -> None:
+    """Harnesses mirror a transcript an entry at a time: every 16 elements the trailing plain
+    ones become one compressed batch; the entries read back the same, in order."""
+    store = AgentStore(broker, "t")
+    key = broker.thread("t").agent("claude:s1")
+    entries = [{"n": i, "text": f"step {i}"} for i in range(40)]  # each too small alone
+    plain = sum(len(orjson.dumps(e)) for e in entries)
+    for e in entries:
+        await store.append("claude:s1", [e])
+    assert await store.load("claude:s1") == entries
+    # 16 folded into one; at 16 elements again, the 15 plain after it; then 9 plain.
+    assert await broker.redis.llen(key) == 1 + 1 + 9
+    stored = await broker.redis.execute_command("LRANGE", key, 0, -1, NEVER_DECODE=True)
+    assert sum(len(e) for e in stored) * 2 < plain
+    # A fold whose read is stale (an append landed since) writes nothing.
+    before = await broker.redis.execute_command("LRANGE", key, 0, -1, NEVER_DECODE=True)
+    stale = await broker.compact_agent_data(
+        "t", "claude:s1", length=9, count=4, batch=b"\x01x", first=before[-4]
+    )
+    assert stale is False
+    assert await broker.redis.execute_command("LRANGE", key, 0, -1, NEVER_DECODE=True) == before

@@ -34,6 +34,8 @@ __all__ = ["AgentStore", "decode_element", "encode_batch"]
 _COMPRESSED = b"\x01"
 _MIN_COMPRESS = 256  # below this zlib's header and checksum outweigh what it saves
 _LEVEL = 6
+_COMPACT_EVERY = 16  # every this many elements, the trailing plain ones are folded together
+_COMPACT_MIN = 4
 # Strings Claude Code and Codex transcripts repeat in nearly every entry: a preset dictionary
 # lets even a single small entry compress (zlib matches against it from the first byte).
 _ZDICT = (
@@ -78,7 +80,33 @@ class AgentStore:
     async def append(self, key: str, entries: Sequence[Any]) -> None:
         if not entries:
             return
-        await self._broker.append_agent_data(self._thread_id, key, encode_batch(entries))
+        length = await self._broker.append_agent_data(self._thread_id, key, encode_batch(entries))
+        if length % _COMPACT_EVERY == 0:
+            await self._compact(key, length)
+
+    async def _compact(self, key: str, length: int) -> None:
+        """Fold the trailing run of plain elements into one compressed batch.
+
+        Harnesses mirror their transcripts an entry at a time, and one entry alone compresses
+        poorly; sixteen together take zlib's window. Only plain elements are folded, so each
+        entry is compressed once, and a batch is never re-read to grow it.
+        """
+        tail: list[bytes] = await self._redis.execute_command(  # type: ignore[no-untyped-call]
+            "LRANGE", self._keys.agent(key), -_COMPACT_EVERY, -1, NEVER_DECODE=True
+        )
+        run = 0
+        for element in reversed(tail):
+            if element[:1] == _COMPRESSED:
+                break
+            run += 1
+        if run < _COMPACT_MIN:
+            return
+        plain = tail[len(tail) - run :]
+        batch = encode_batch([e for element in plain for e in decode_element(element)])
+        if len(batch) == 1 and batch[0][:1] == _COMPRESSED:
+            await self._broker.compact_agent_data(
+                self._thread_id, key, length=length, count=run, batch=batch[0], first=plain[0]
+            )
 
     async def load(self, key: str) -> list[Any] | None:
         # Compressed elements are bytes: read without the client's decoding.
