@@ -10,6 +10,7 @@ its pid.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -50,7 +51,7 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> None:
+    def start(self, *extra: str) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.skip("redis-server is not on PATH")
@@ -72,6 +73,7 @@ class RedisServer:
             "no",
             "--loglevel",
             "warning",
+            *extra,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
@@ -120,6 +122,79 @@ def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]
     yield make
     for server in servers:
         server.stop()
+
+
+@dataclass
+class RedisClusterNodes:
+    """A private Redis Cluster: three primaries with one replica each, on loopback ports."""
+
+    nodes: list[RedisServer]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url.removesuffix("/0")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (10,000 higher) is free too: at most 55,535."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20_000, 45_000)
+        try:
+            for p in (port, port + 10_000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def start_cluster(root: Path) -> RedisClusterNodes:
+    """Start six `redis-server --cluster-enabled yes` and join them with `redis-cli --cluster
+    create` (three primaries, a replica each); stopped by their pids, never by name."""
+    cli = shutil.which("redis-cli")
+    if cli is None or shutil.which("redis-server") is None:
+        pytest.skip("redis-server and redis-cli (redis-tools) are needed for the cluster tests")
+    nodes = [RedisServer(_cluster_port(), root / f"node-{i}", appendonly=False) for i in range(6)]
+    cluster = RedisClusterNodes(nodes)
+    try:
+        for node in nodes:
+            node.dir.mkdir()
+            node.start(
+                "--cluster-enabled", "yes", "--cluster-config-file", str(node.dir / "nodes.conf"),
+                "--cluster-node-timeout", "2000",
+            )  # fmt: skip
+        addresses = [f"127.0.0.1:{n.port}" for n in nodes]
+        subprocess.run(
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "1", "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            states = [redis.Redis(port=n.port).cluster("info")["cluster_state"] for n in nodes]
+            if all(state == "ok" for state in states):
+                return cluster
+            time.sleep(0.1)
+        raise RuntimeError("the test cluster did not reach cluster_state:ok")
+    except BaseException:
+        cluster.stop()
+        raise
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterNodes]:
+    """A private Redis Cluster for the session's cluster tests (tests/test_cluster*.py)."""
+    with tempfile.TemporaryDirectory() as d:
+        cluster = start_cluster(Path(d))
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
 
 
 def _answers(url: str) -> bool:

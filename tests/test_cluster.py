@@ -1,0 +1,139 @@
+"""On a real Redis Cluster (three primaries, a replica each; `redis_cluster` in conftest.py):
+every thread script runs in its thread's one slot, retention included, and a bell can ring on
+sharded pub/sub from inside a script to a raw SSUBSCRIBE on the node that owns the slot.
+
+The Broker itself does not run on a cluster yet (its waiter uses classic pub/sub, and its
+pipelines and indexes assume one server); these tests pin down what that work builds on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import orjson
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ResponseError
+
+from broker._codec import pending_body
+from broker._scripts import Scripts
+from broker.answers import matchers, prepare
+from broker.keys import Keys
+from broker.models import Question
+from tests.conftest import RedisClusterNodes
+
+pytestmark = pytest.mark.real_redis
+
+
+@pytest.fixture
+async def cluster(redis_cluster: RedisClusterNodes) -> AsyncIterator[RedisCluster]:
+    client = RedisCluster.from_url(redis_cluster.url, decode_responses=True)
+    await client.initialize()  # the slot map: `get_node_from_key` reads it
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def test_thread_scripts_run_in_one_slot_with_retention(cluster: RedisCluster) -> None:
+    """ask, route (the answer), prompt, audit, close and cancel (retiring the thread), each in
+    one call on the node owning the thread's slot: the keys they build from the thread's base
+    (undeclared, but in the same slot) are allowed there."""
+    keys = Keys("c" + uuid.uuid4().hex[:8])
+    tk = keys.thread("t1")
+    scripts = Scripts()
+    qs = [Question(question="Name?")]
+    await scripts.call(cluster, "create", [tk.session], ["scripted", "approval", "{}", "", ""])
+    body = pending_body("prm_01M8RNSQBPNM9B62PHB3V0EV88", "text", qs)
+    status, _, _ = await scripts.call(
+        cluster,
+        "ask",
+        [tk.items, tk.active, tk.prompt("prm_01M8RNSQBPNM9B62PHB3V0EV88"), tk.session],
+        [
+            "prm_01M8RNSQBPNM9B62PHB3V0EV88", "itm_01M8RNSQBPNM9B62PHB3V0EV89", "pb", body,
+            "text", orjson.dumps(matchers(qs)), "", tk.base, tk.wake, "", "", 10, 0,
+        ],
+    )  # fmt: skip
+    assert status == "ok"
+    prepared = orjson.dumps(prepare("Ann"))
+    item = orjson.dumps({"content": [{"type": "text", "text": "Ann"}]})
+    routed = await scripts.call(
+        cluster,
+        "route",
+        [tk.items, tk.active, tk.inbox, tk.session],
+        [
+            "itm_01M8RNSQBPNM9B62PHB3V0EV8A", "ann", "", item, "user", "", "", "", prepared,
+            tk.base, tk.wake, "", "1", "0", "cli", "", 10, 0,
+        ],
+    )  # fmt: skip
+    assert routed[0] == "answered"
+    flat = await scripts.call(cluster, "prompt", [tk.prompt(routed[2]), tk.items], [])
+    assert "_body" in flat
+    assert (await scripts.call(cluster, "close", [tk.session], []))[0] == "closed"
+    reply = await scripts.call(
+        cluster, "cancel", [tk.active, tk.session], ["closed", "", "", tk.base, tk.wake, 5]
+    )
+    assert reply == ["none", ""]
+    assert 0 < await cluster.ttl(tk.items) <= 5
+    assert 0 < await cluster.ttl(tk.prompt(routed[2])) <= 5
+
+
+async def test_a_key_of_another_slot_is_refused(cluster: RedisCluster) -> None:
+    """Why every thread key shares one hash tag: a script naming keys of two slots fails."""
+    node = cluster.get_node_from_key("a:{x}:1")
+    direct = Redis(host=node.host, port=node.port)
+    try:
+        with pytest.raises(ResponseError, match="CROSSSLOT"):
+            await direct.eval("return 1", 2, "a:{x}:1", "a:{y}:1")
+    finally:
+        await direct.aclose()
+
+
+async def test_sharded_bell_from_a_script_reaches_the_slots_node(
+    cluster: RedisCluster, redis_cluster: RedisClusterNodes
+) -> None:
+    """The bell a cluster needs: SPUBLISH inside the thread's script (its channel shares the
+    thread's hash tag, so the same slot), heard by a raw SSUBSCRIBE on the primary that owns
+    the slot. redis-py 5.x (arq 0.28 pins redis < 6) has no sharded pub/sub in asyncio, so
+    the waiter is to send SSUBSCRIBE on a connection of its own to that node."""
+    tk = Keys("c" + uuid.uuid4().hex[:8]).thread("t2")
+    node = cluster.get_node_from_key(tk.wake)
+    sub = Redis(host=node.host, port=node.port, decode_responses=True)
+    conn = await sub.connection_pool.get_connection()
+    try:
+        await conn.send_command("SSUBSCRIBE", tk.wake)
+        assert await conn.read_response() == ["ssubscribe", tk.wake, 1]
+        rung = await cluster.eval(
+            "redis.call('SET', KEYS[1], 'x'); return redis.call('SPUBLISH', KEYS[2], ARGV[1])",
+            2,
+            tk.active,
+            tk.wake,
+            '{"prompt_id":"p"}',
+        )
+        assert rung == 1
+        msg = await asyncio.wait_for(conn.read_response(), 5)
+        assert msg == ["smessage", tk.wake, '{"prompt_id":"p"}']
+        # Another primary does not hold the channel: a node that does not own the slot
+        # answers SSUBSCRIBE with MOVED, which is how a migrated slot is noticed.
+        others = [n.port for n in redis_cluster.nodes if n.port != node.port]
+        primaries = [port for port in others if await _is_primary(port)]
+        probe = Redis(port=primaries[0])
+        try:
+            with pytest.raises(ResponseError, match="MOVED"):
+                await probe.execute_command("SSUBSCRIBE", tk.wake)
+        finally:
+            await probe.aclose()
+    finally:
+        await sub.connection_pool.release(conn)
+        await sub.aclose()
+
+
+async def _is_primary(port: int) -> bool:
+    r = Redis(port=port, decode_responses=True)
+    try:
+        return bool((await r.info("replication"))["role"] == "master")
+    finally:
+        await r.aclose()
