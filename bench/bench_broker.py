@@ -703,7 +703,10 @@ async def _usage(r: Redis, key: str) -> int:
     return int(await r.memory_usage(key, samples=0) or 0)
 
 
-async def bench_memory(url: str, count: int, batch: int) -> None:
+async def bench_memory(
+    url: str, count: int, batch: int, parked: list[tuple[str, float]] | None = None
+) -> None:
+    parked = parked or []
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     keys = Keys(prefix)
     r = _client(url)
@@ -771,6 +774,21 @@ async def bench_memory(url: str, count: int, batch: int) -> None:
     )
     amortized = existing.per_prompt + stream_entry
     _print_per_prompt("per open prompt, its stream entry amortized", amortized, floor, True)
+    print_capacity(fresh.per_prompt, amortized, parked)
+
+
+def print_capacity(new_thread: float, old_thread: float, parked: list[tuple[str, float]]) -> None:
+    """What one GiB of Redis holds, from the figures above (and parked sessions measured by
+    bench_claude.py / bench_codex.py, passed in with --parked)."""
+    gib = 1 << 30
+    print("   capacity per GiB of used_memory (from the figures above):")
+    rows = [
+        ("open prompts, each on a thread of its own", new_thread),
+        ("open prompts on threads that already exist", old_thread),
+        *((f"parked {label} sessions with their transcripts", b) for label, b in parked),
+    ]
+    for label, per in rows:
+        print(f"     {label:52} {gib / per:12,.0f}   ({per:,.0f} B each)")
 
 
 def _print_open(o: OpenPrompts, floor: int, *, judged: bool) -> None:
@@ -863,7 +881,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         help="run only this figure (repeatable; default: all three)",
     )
+    parser.add_argument(
+        "--parked",
+        action="append",
+        default=[],
+        metavar="LABEL=BYTES",
+        help="a parked session's Redis bytes, for the capacity table (repeatable), e.g. "
+        "--parked 'Claude Code=14000' from bench_claude.py's figure",
+    )
     args = parser.parse_args(argv)
+    try:
+        args.parked = [(k, float(v)) for k, _, v in (p.rpartition("=") for p in args.parked)]
+    except ValueError:
+        parser.error("--parked takes LABEL=BYTES")
     args.lifecycles = args.lifecycles or (200 if args.quick else 2000)
     args.prompts = args.prompts or (10_000 if args.quick else 100_000)
     if args.redis_server is None:
@@ -889,7 +919,7 @@ async def run(args: argparse.Namespace, url: str) -> None:
     if "wake" in only:
         await bench_wake(url, args.lifecycles, settle)
     if "memory" in only:
-        await bench_memory(url, args.prompts, args.batch)
+        await bench_memory(url, args.prompts, args.batch, args.parked)
 
 
 def main(argv: list[str] | None = None) -> int:
