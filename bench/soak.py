@@ -543,17 +543,30 @@ class Soak:
         tk = self.observer.thread
         pipe = self.redis.pipeline(transaction=True)
         pipe.time()
+        # Liveness per replica (`inc|until` records) where this checkout has it, else per thread
+        # (the session's own `lease_until`).
+        records = getattr(self.observer.keys, "replica_records", None)
+        if records:
+            pipe.hgetall(records)
+        else:
+            pipe.echo("")
         for t, pids in by_thread.items():
             pipe.get(tk(t).active)
-            pipe.hmget(tk(t).session, ["owner", "lease_until", "wait"])
+            pipe.hmget(tk(t).session, ["owner", "lease_until", "inc", "wait"])
             for pid in pids:
                 pipe.hget(tk(t).prompt(pid), "state")
         replies = await pipe.execute()
-        rows, at = {}, 1
+        now_ms = int(replies[0][0]) * 1000 + int(replies[0][1]) // 1000
+        alive = replies[1] or {}
+        rows, at = {}, 2
         for t, pids in by_thread.items():
-            rows[t] = (replies[at], replies[at + 1], replies[at + 2 : at + 2 + len(pids)])
+            owner, until, inc, wait = replies[at + 1]
+            if inc is not None:  # the holder's record says how long it lives
+                rec_inc, _, rec_until = str(alive.get(owner) or "").partition("|")
+                until = rec_until if rec_inc == inc else None
+            rows[t] = (replies[at], [owner, until, wait], replies[at + 2 : at + 2 + len(pids)])
             at += 2 + len(pids)
-        return int(replies[0][0]) * 1000 + int(replies[0][1]) // 1000, rows
+        return now_ms, rows
 
     def judge(
         self,
