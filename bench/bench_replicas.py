@@ -54,6 +54,7 @@ from redis.asyncio import Redis
 
 from broker import Broker, Keys, Settings
 from workers.harness import approval_question
+from workers.replica import ADOPT_PAGE
 
 T = TypeVar("T")
 
@@ -422,21 +423,29 @@ async def prepare_dead(url: str, settings: Settings, n: int, batch: int) -> tupl
 
 
 async def adoption_floor(url: str, b: Broker, names: list[str], batch: int) -> float:
-    """What adopting every thread costs Redis, done by one client in pages of `batch`: per
-    thread the claim (Sessions.claim_many: the session's holder read, the holder's record, one
-    claim.lua, the index writes; as a new incarnation of DEAD whose record runs out at once, so
-    the threads stay adoptable), HMGET session and LLEN inbox, HGET prompt state, update.lua
-    (status running: unchanged), and SUBSCRIBE to its wake channel on one pub/sub connection.
+    """What adopting every thread costs Redis, done by one client in pages of ADOPT_PAGE, as
+    the replica does: per page a look at the replica records and at the candidates, then the
+    claims (Sessions.claim_many with the dead holder seen: its index entry, one claim.lua each,
+    the index writes; as a replica "floor" whose record is made to run out at the end, so the
+    threads stay adoptable), then per thread HMGET session and LLEN inbox, HGET prompt state,
+    update.lua (status running: unchanged), and SUBSCRIBE to its wake channel on one pub/sub
+    connection.
     The replica does this and its own bookkeeping."""
     sub = _client(url, "bench-floor")
     pubsub = sub.pubsub()
     t0 = time.perf_counter()
+    wanted, done = set(names), 0
     try:
-        dead, _, _ = await b.sessions.join(DEAD, 1)
-        await asyncio.sleep(0.002)
-        for start in range(0, len(names), batch):
-            chunk = names[start : start + batch]
-            epochs = await b.sessions.claim_many(chunk, DEAD, dead)
+        floor, _, _ = await b.sessions.join("floor", 600_000)
+        while done < len(names):
+            seen = await b.sessions.candidates(await b.sessions.look(), ADOPT_PAGE)
+            chunk = [t for t in seen.expired if t in wanted]
+            if not chunk:
+                raise RuntimeError(f"the floor found {len(names) - done} threads no more")
+            epochs = await b.sessions.claim_many(chunk, "floor", floor, seen.dead)
+            chunk = list(epochs)
+            wanted -= set(chunk)
+            done += len(chunk)
             pipe = b.redis.pipeline(transaction=False)
             for t in chunk:
                 pipe.hmget(b.thread(t).session, ["owner", "inc", "epoch", "status", "wait"])
@@ -454,6 +463,8 @@ async def adoption_floor(url: str, b: Broker, names: list[str], batch: int) -> f
                 )
             await b._scripts.run_pipeline(b.redis, pipe)
             await pubsub.subscribe(*(b.thread(t).wake for t in chunk))
+        # "floor" dies now (its record's deadline long past): the threads are adoptable again
+        await b.redis.hset(b.keys.replica_records, "floor", f"{floor}|1")  # type: ignore[misc]
         confirmed = 0
         while confirmed < len(names):
             msg = await pubsub.get_message(timeout=10)
@@ -558,7 +569,6 @@ async def bench_adopt(
         print(f"   {label:58} {value:7.2f}s")
     rate = n / result.parked
     steady = n / max(1e-9, result.parked - result.first)
-    pace = math.ceil(n / 500) * settings.adopt_interval
     print(
         f"   adoption rate: {rate:,.0f} threads/s from the start, {steady:,.0f} threads/s from "
         "the first claim"
@@ -567,10 +577,7 @@ async def bench_adopt(
         f"   floor: the same Redis work pipelined by one client here: {floor:.2f} s "
         f"({n / floor:,.0f} threads/s); the replica took {result.parked / floor:.1f}x"
     )
-    print(
-        f"   for scale: the adopt loop takes at most 500 threads per adopt_interval, so "
-        f"{n:,} need >= {pace:.1f} s of adopt sweeps"
-    )
+    print(f"   for scale: the adopt loop claims pages of {ADOPT_PAGE} back to back while full")
     return result, floor, proc, before
 
 

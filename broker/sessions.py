@@ -123,6 +123,9 @@ class Candidates(NamedTuple):
     expired: dict[str, int]
     threads: int
     replicas: int
+    # of those, the threads found in a dead incarnation's index: -> (its replica, its record
+    # as seen dead), evidence `claim_many` may use without reading the session first
+    dead: dict[str, tuple[str, Record]]
 
 
 def _session(thread_id: str, h: Mapping[str, str], until: int = 0) -> Session:
@@ -323,26 +326,31 @@ class Sessions:
         pipe.zcard(k.leases)
         for r, rec in dead.items():
             pipe.srandmember(k.holds(r, rec.incarnation), limit)
-        for r, rec in alive.items():
+        for r, rec in fleet.records.items():
             pipe.scard(k.holds(r, rec.incarnation))
         found, unowned, *rest = await pipe.execute()
         expired = {t: int(score) for t, score in found}
-        threads = int(unowned)
+        of_dead: dict[str, tuple[str, Record]] = {}
         for (r, rec), members in zip(dead.items(), rest[: len(dead)], strict=True):
             for t in members:
-                expired.setdefault(t, rec.until)
-            threads += len(members)
+                if t not in expired:
+                    expired[t] = rec.until
+                    of_dead[t] = (r, rec)
             if not members:
                 await self.bury(r, rec)
-        threads += sum(int(n) for n in rest[len(dead) :])
-        return Candidates(fleet.now, expired, threads, len(alive))
+        threads = int(unowned) + sum(int(n) for n in rest[len(dead) :])
+        return Candidates(fleet.now, expired, threads, len(alive), of_dead)
 
     async def claim(self, thread_id: str, replica: str, incarnation: str) -> int | None:
         """Claim the thread if it has no live holder: its new epoch, or None."""
         return (await self.claim_many([thread_id], replica, incarnation)).get(thread_id)
 
     async def claim_many(
-        self, threads: Sequence[str], replica: str, incarnation: str
+        self,
+        threads: Sequence[str],
+        replica: str,
+        incarnation: str,
+        dead: Mapping[str, tuple[str, Record]] | None = None,
     ) -> dict[str, int]:
         """Claim, in pipelined pages, those of `threads` whose holder is dead (or that have none):
         `{thread: epoch}` of those claimed.
@@ -352,24 +360,39 @@ class Sessions:
         names that holder and the record showed it dead. Death is permanent (beat.lua), so what
         was seen dead is dead when the claim runs. The claimer's index entry is written before
         its claims, so a claimer that dies half-way leaves no thread it holds unfindable.
+
+        `dead`: threads found in a dead incarnation's index, with that replica and its record
+        as seen dead (`Candidates.dead`). Those sessions are not read first: the claim expects
+        that holder, and its record's incarnation was seen expired, which stays true, so no
+        read order matters for them.
         """
         if not threads:
             return {}
         k = self._b.keys
         threads = list(dict.fromkeys(threads))
+        dead = dead or {}
+        unread = [t for t in threads if t not in dead]
         pipe = self._b.redis.pipeline(transaction=False)
-        for t in threads:
+        for t in unread:
             pipe.hmget(self._b.thread(t).session, ["owner", "inc"])
-        seen = [(o or "", i or "") for o, i in await pipe.execute()]
-        holders = sorted({o for o, _ in seen if o})
+        read = dict(zip(unread, [(o or "", i or "") for o, i in await pipe.execute()], strict=True))
+        holders = sorted({o for o, _ in read.values() if o})
         records: dict[str, Record] = {}
         if holders:
             raw = await self._b.redis.hmget(k.replica_records, holders)  # type: ignore[misc]
             records = {o: r for o, v in zip(holders, raw, strict=True) if (r := _record(v))}
+        seen: list[tuple[str, str]] = []
         pipe = self._b.redis.pipeline(transaction=False)
         pipe.sadd(k.holds(replica, incarnation), *threads)
-        for t, (owner, inc) in zip(threads, seen, strict=True):
-            rec = records.get(owner)
+        for t in threads:
+            rec: Record | None
+            if t in dead:
+                owner, rec = dead[t]
+                inc = rec.incarnation
+            else:
+                owner, inc = read[t]
+                rec = records.get(owner)
+            seen.append((owner, inc))
             observed = [rec.incarnation, rec.until] if rec else ["", 0]
             self._b._scripts.queue(
                 pipe,

@@ -92,7 +92,7 @@ RUN_ENDED = "the run ended"
 #: A thread whose lease ran out this long ago is taken by any replica, however loaded.
 URGENT_MS = 500
 #: Expired leases one adoption look takes; a full page means more wait: look again at once.
-ADOPT_PAGE = 500
+ADOPT_PAGE = 1000
 
 
 def default_harnesses() -> dict[str, Harness]:
@@ -122,6 +122,9 @@ class _Thread:
     task: asyncio.Task[None] | None = None
     kicked: bool = False
     listener: Any = None
+    # claimed, its first look not done yet: that look (after its SUBSCRIBE is confirmed) covers
+    # whatever a subscription confirmation might say was missed
+    fresh: bool = True
     # prompt -> the token of a resume attempt whose reply never came: its retry reuses it, so a
     # lost reply is the same delivery, not a refused second one
     tokens: dict[str, str] = field(default_factory=dict)
@@ -232,11 +235,13 @@ class Replica:
                 await asyncio.gather(*attaching, return_exceptions=True)
 
     async def _join(self) -> None:
-        """Start a new incarnation; free what a former one of this id held (it is dead now)."""
+        """Start a new incarnation; free what former ones of this id held (dead now): the one
+        on the record, and this process's own last one (its record may be gone already)."""
         sessions = self.broker.sessions
+        previous = self.incarnation
         self.incarnation, _, former = await sessions.join(self.id, self.ttl_ms)
-        if former:
-            freed = await sessions.free(self.id, former)
+        for old in {former, previous} - {""}:
+            freed = await sessions.free(self.id, old)
             logger.info("replica.freed_former", extra={"replica": self.id, "threads": freed})
 
     async def _adopt_page(self, limit: int, attaching: list[asyncio.Task[None]]) -> bool:
@@ -255,7 +260,9 @@ class Replica:
             candidates = [t for t in candidates if seen.now - seen.expired[t] > URGENT_MS]
         random.shuffle(candidates)
         candidates = candidates[: -(-len(candidates) // alive)]
-        claimed = await self.broker.sessions.claim_many(candidates, self.id, self.incarnation)
+        claimed = await self.broker.sessions.claim_many(
+            candidates, self.id, self.incarnation, seen.dead
+        )
         for thread_id, epoch in claimed.items():
             self.threads[thread_id] = _Thread(thread_id, epoch, listener=self._kicker(thread_id))
         attaching.append(asyncio.create_task(self._attach(claimed)))
@@ -269,7 +276,9 @@ class Replica:
         await self.broker.listen_many({t: h.listener for t, h in held.items()})
         # One batched look, not one examination each: most adopted threads just wait.
         try:
-            await self._sweep(set(claimed))
+            for t in held.values():
+                t.fresh = False
+            await self._sweep(set(held))
         except (BrokerError, OSError, ConnectionError):
             logger.exception("replica.loop_failed", extra={"loop": "attach"})
             self._retry_later(set(claimed))
@@ -277,7 +286,9 @@ class Replica:
     def _kicker(self, thread_id: str) -> Any:
         def ring(_channel: str, wake: Mapping[str, Any]) -> None:
             if wake.get("resubscribed"):
-                self.suspect(thread_id)  # a bell may have rung meanwhile: look in a batch
+                t = self.threads.get(thread_id)
+                if t is not None and not t.fresh:
+                    self.suspect(thread_id)  # a bell may have rung meanwhile: look in a batch
             else:
                 self.kick(thread_id)
 
@@ -340,12 +351,11 @@ class Replica:
     async def _sweep(self, thread_ids: set[str] | None = None) -> None:
         """Look at threads (all when None) for work a missed bell would have announced: read
         their records in pipelines and kick only the threads that have something to do."""
-        idle = [
-            t
-            for t in self.threads.values()
-            if (thread_ids is None or t.thread_id in thread_ids)
-            and (t.task is None or t.task.done())
-        ]
+        if thread_ids is None:
+            threads = list(self.threads.values())
+        else:
+            threads = [t for i in thread_ids if (t := self.threads.get(i)) is not None]
+        idle = [t for t in threads if t.task is None or t.task.done()]
         for i in range(0, len(idle), 500):
             for thread_id in await self._needing_a_look(idle[i : i + 500]):
                 self.kick(thread_id)
