@@ -16,6 +16,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterPipeline
 from redis.exceptions import NoScriptError, ResponseError
 
 __all__ = ["NAMES", "Script", "Scripts"]
@@ -75,7 +76,9 @@ class Scripts:
     def queue(self, pipe: Pipeline, name: str, keys: list[str], args: list[Any]) -> None:
         """Add a script call to a pipeline; `run_pipeline` retries it if the server lost it."""
         script = self.by_name[name]
-        pipe.evalsha(script.sha, len(keys), *keys, *args)
+        # redis-py 5.x's cluster pipeline refuses `evalsha()`, not the command itself: it routes
+        # EVALSHA by its keys like any other.
+        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
 
     async def run_pipeline(self, redis: Redis, pipe: Pipeline) -> list[Any]:
         """Execute a non-transactional pipeline of script calls and plain commands.
@@ -83,7 +86,7 @@ class Scripts:
         A NOSCRIPT reply means that script did not run at all, so loading it and running that
         call again (in order) is exactly what the pipeline meant. Any other error is raised.
         """
-        stack = list(pipe.command_stack)
+        stack = _stack(pipe)
         results: list[Any] = await pipe.execute(raise_on_error=False)
         lost = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
         if lost:
@@ -101,3 +104,10 @@ class Scripts:
             if isinstance(result, ResponseError | OSError):
                 raise result
         return results
+
+
+def _stack(pipe: Pipeline) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The pipeline's commands as (args, options): a cluster pipeline keeps them elsewhere."""
+    if isinstance(pipe, ClusterPipeline):
+        return [(tuple(c.args), dict(c.kwargs)) for c in pipe._command_stack]
+    return [(tuple(args), dict(options)) for args, options in pipe.command_stack]

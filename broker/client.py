@@ -11,13 +11,14 @@ import math
 import re
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
-from typing import Any, ParamSpec, Self, TypeVar
+from typing import Any, ParamSpec, Self, TypeVar, cast
 
 import orjson
 from arq.constants import job_key_prefix, result_key_prefix
 from arq.jobs import serialize_job
 from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -154,7 +155,8 @@ class Broker:
         pubsub = None if pubsub is None else self._decoding(pubsub)
         self.settings = settings or Settings()
         self.redis = redis
-        self.keys = Keys(self.settings.key_prefix)
+        cluster = self.settings.redis_cluster or isinstance(redis, RedisCluster)
+        self.keys = Keys(self.settings.key_prefix, cluster=cluster)
         self.identity = self.settings.identity
         self._owns_client = owns_client
         self._scripts = Scripts()
@@ -173,6 +175,10 @@ class Broker:
         than refuse them, the Broker makes its own pool with the same connection settings and
         closes it with itself; the caller's client is left as it is.
         """
+        if isinstance(client, RedisCluster):
+            if not client.get_encoder().decode_responses:
+                raise BadItem("redis", "a RedisCluster client needs decode_responses=True")
+            return cast(Redis, client)
         pool = client.connection_pool
         if pool.connection_kwargs.get("decode_responses"):
             return client
@@ -186,14 +192,30 @@ class Broker:
 
     @classmethod
     def from_url(
-        cls, url: str | None = None, settings: Settings | None = None, **redis_kwargs: Any
+        cls,
+        url: str | None = None,
+        settings: Settings | None = None,
+        *,
+        cluster: bool | None = None,
+        **redis_kwargs: Any,
     ) -> Broker:
         """A Broker on its own connection pool; `url` defaults to the settings' `redis_url`.
 
         `redis_kwargs` go to `redis.asyncio.Redis.from_url` (timeouts, `max_connections`, ...).
+        With `cluster=True` (default: the `redis_cluster` setting) `url` names one node of a
+        Redis Cluster: commands go through redis-py's cluster client, each thread's scripts to
+        the primary owning its slot. Bells are still classic pub/sub there, which a cluster
+        carries to every node, so the waiter subscribes on the node `url` names; sharded
+        bells are to come.
         """
         settings = settings or Settings.from_env()
-        client = Redis.from_url(url or settings.redis_url, decode_responses=True, **redis_kwargs)
+        url = url or settings.redis_url
+        if cluster if cluster is not None else settings.redis_cluster:
+            nodes = RedisCluster.from_url(url, decode_responses=True, **redis_kwargs)
+            bells = Redis.from_url(url, decode_responses=True, **redis_kwargs)
+            # Typed as Redis: the cluster client answers every command the Broker sends.
+            return cls(cast(Redis, nodes), settings, owns_client=True, pubsub=bells)
+        client = Redis.from_url(url, decode_responses=True, **redis_kwargs)
         return cls(client, settings, owns_client=True)
 
     async def __aenter__(self) -> Self:

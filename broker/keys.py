@@ -126,6 +126,9 @@ class Keys:
     """Key names under one prefix (tests give each run its own)."""
 
     prefix: str = "pp"
+    # On a Redis Cluster arq's keys for the audit jobs share one hash tag, so arq (which cannot
+    # span slots) works on the one primary that owns it, and enqueueing stays one script.
+    cluster: bool = False
 
     def __post_init__(self) -> None:
         if not _PREFIX.fullmatch(self.prefix):
@@ -166,7 +169,7 @@ class Keys:
 
     @property
     def audit_queue(self) -> str:
-        return f"{self.prefix}:audit:queue"
+        return f"{{{self.prefix}:audit}}:queue" if self.cluster else f"{self.prefix}:audit:queue"
 
     @property
     def prompt_pattern(self) -> str:
@@ -175,7 +178,8 @@ class Keys:
 
     def audit_job_id(self, thread_id: str, prompt_id: str) -> str:
         """The arq job id of a prompt's audit job: one per prompt, so enqueueing is idempotent."""
-        return f"{self.prefix}:audit:{thread_id}/{prompt_id}"
+        tag = f"{{{self.prefix}:audit}}" if self.cluster else f"{self.prefix}:audit"
+        return f"{tag}:{thread_id}/{prompt_id}"
 
     @staticmethod
     def member(thread_id: str, prompt_id: str) -> str:

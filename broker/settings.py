@@ -30,6 +30,9 @@ class Settings(BaseModel):
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0", description="the Redis server every replica shares"
     )
+    redis_cluster: bool = Field(
+        False, description="redis_url names a node of a Redis Cluster (experimental)"
+    )
     key_prefix: str = Field("pp", description="the first part of every key and channel")
     identity: str = Field(
         "prompt-broker",

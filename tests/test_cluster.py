@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
+from broker import Broker, Settings
 from broker._codec import pending_body
 from broker._scripts import Scripts
 from broker.answers import matchers, prepare
@@ -137,3 +138,42 @@ async def _is_primary(port: int) -> bool:
         return bool((await r.info("replication"))["role"] == "master")
     finally:
         await r.aclose()
+
+
+async def test_a_lifecycle_on_the_cluster(redis_cluster: RedisClusterNodes) -> None:
+    """`Broker.from_url` with `redis_cluster`: ask, answer, wait, deliver, audit and close with
+    retention, on threads spread over the three primaries (bells still classic pub/sub)."""
+    settings = Settings(key_prefix="c" + uuid.uuid4().hex[:8], closed_ttl=30, redis_cluster=True)
+    async with Broker.from_url(redis_cluster.url, settings) as b:
+        assert isinstance(b.redis, RedisCluster)
+        await b.redis.initialize()
+        # Two threads on each primary.
+        by_node: dict[str, list[str]] = {}
+        for i in range(200):
+            node = b.redis.get_node_from_key(b.thread(f"t{i}").items).name
+            if len(by_node.setdefault(node, [])) < 2:
+                by_node[node].append(f"t{i}")
+        threads = [t for ts in by_node.values() for t in ts]
+        assert len(by_node) == 3 and len(threads) == 6
+        for t in threads:
+            await b.sessions.create(t, "scripted")
+        prompts = [await b.ask(t, "text", [Question(question="Name?")]) for t in threads]
+        assert {p.prompt_id for p in await b.open_prompts()} == {p.prompt_id for p in prompts}
+        waits = [asyncio.create_task(b.wait(p.thread_id, p.prompt_id, timeout=10)) for p in prompts]
+        await asyncio.sleep(0.2)
+        for t in threads:
+            routed = await b.post_item(t, {"content": [{"type": "text", "text": f"name {t}"}]})
+            assert routed.outcome == "answered"
+        answers = await asyncio.gather(*waits)
+        assert [a[0].answer for a in answers] == [[f"name {t}"] for t in threads]
+        await b.settle()
+        for p in prompts:
+            assert await b.post_resolution(p.thread_id, p.prompt_id)
+        await b.sessions.close(threads[0])
+        assert 0 < await b.redis.ttl(b.thread(threads[0]).items) <= 30
+        assert await b.redis.ttl(b.thread(threads[1]).items) == -1
+        # The audit jobs: arq's keys and queue share one hash tag, so one primary holds them.
+        queue = b.keys.audit_queue
+        assert await b.redis.zcard(queue) == len(threads)
+        job = "arq:job:" + b.keys.audit_job_id(threads[0], prompts[0].prompt_id)
+        assert b.redis.keyslot(job) == b.redis.keyslot(queue)
