@@ -387,7 +387,9 @@ async def bench_kill(url: str, settings: Settings, args: argparse.Namespace, log
 # -- 2. one replica adopts N open prompts --------------------------------------------------------
 
 
-async def prepare_dead(url: str, settings: Settings, n: int, batch: int) -> tuple[float, float]:
+async def prepare_dead(
+    url: str, settings: Settings, n: int, batch: int
+) -> tuple[float, tuple[float, float]]:
     """N threads, each with a session held by DEAD (lease run out), status running (its agent
     was holding a wait) and one open approval asked under that lease. Returns (seconds taken,
     the floor: seconds one client takes to do an adoption's Redis work on all of them)."""
@@ -422,7 +424,7 @@ async def prepare_dead(url: str, settings: Settings, n: int, batch: int) -> tupl
     return prepared, floor
 
 
-async def adoption_floor(url: str, b: Broker, names: list[str], batch: int) -> float:
+async def adoption_floor(url: str, b: Broker, names: list[str], batch: int) -> tuple[float, float]:
     """What adopting every thread costs Redis, done by one client in pages of ADOPT_PAGE, as
     the replica does: per page a look at the replica records and at the candidates, then the
     claims (Sessions.claim_many with the dead holder seen: its index entry, one claim.lua each,
@@ -435,6 +437,7 @@ async def adoption_floor(url: str, b: Broker, names: list[str], batch: int) -> f
     pubsub = sub.pubsub()
     t0 = time.perf_counter()
     wanted, done = set(names), 0
+    cpu0 = time.process_time()
     try:
         floor, _, _ = await b.sessions.join("floor", 600_000)
         while done < len(names):
@@ -471,7 +474,7 @@ async def adoption_floor(url: str, b: Broker, names: list[str], batch: int) -> f
             if msg is None:
                 raise RuntimeError("the floor's SUBSCRIBE confirmations stopped coming")
             confirmed += msg["type"] == "subscribe"
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         await pubsub.aclose()  # type: ignore[no-untyped-call]
         await sub.aclose()
@@ -484,6 +487,8 @@ class Adoption:
     first: float  # start -> the first claim visible
     owned: float  # start -> every session owned by it
     parked: float  # start -> every session owned by it and parked
+    cpu_beat: float = 0.0  # the replica's CPU seconds when its first heartbeat was seen
+    cpu_done: float = 0.0  # ... when every session was owned by it and parked
 
 
 class AdoptionWatch:
@@ -523,7 +528,7 @@ class AdoptionWatch:
 
 async def bench_adopt(
     url: str, settings: Settings, n: int, batch: int, log: Path
-) -> tuple[Adoption, float, ReplicaProcess, set[str]]:
+) -> tuple[Adoption, tuple[float, float], ReplicaProcess, set[str]]:
     r = _client(url)
     keys = Keys(settings.key_prefix)
     names = [f"adopt-{i:06d}" for i in range(n)]
@@ -533,12 +538,13 @@ async def bench_adopt(
     t0 = time.perf_counter()
     proc = ReplicaProcess("adopter", settings, log)
     beat = owned = None
+    cpu_beat = 0.0
     deadline = t0 + max(120.0, n / 50)
     while True:
         done = await watch.poll(t0)
         now = time.perf_counter() - t0
         if beat is None and await r.zscore(keys.replicas, "adopter") is not None:
-            beat = now
+            beat, cpu_beat = now, cpu_seconds(proc.pid)
         if owned is None and not watch.unowned:
             owned = now
         if done:
@@ -548,7 +554,9 @@ async def bench_adopt(
             raise RuntimeError(f"{len(watch.unparked)} of {n} not adopted\n{proc.tail()}")
         if not watch.again:
             await asyncio.sleep(0.05)
-    result = Adoption(n, beat or now, watch.first or now, owned or now, now)
+    result = Adoption(
+        n, beat or now, watch.first or now, owned or now, now, cpu_beat, cpu_seconds(proc.pid)
+    )
     print(
         f"\n2. One replica process adopts {n:,} open prompts held by a dead replica "
         f"(leases run out, each session `running` with its agent's approval pending)"
@@ -573,9 +581,15 @@ async def bench_adopt(
         f"   adoption rate: {rate:,.0f} threads/s from the start, {steady:,.0f} threads/s from "
         "the first claim"
     )
+    floor_s, floor_cpu = floor
     print(
-        f"   floor: the same Redis work pipelined by one client here: {floor:.2f} s "
-        f"({n / floor:,.0f} threads/s); the replica took {result.parked / floor:.1f}x"
+        f"   floor: the same Redis work pipelined by one client here: {floor_s:.2f} s "
+        f"({n / floor_s:,.0f} threads/s); the replica took {result.parked / floor_s:.1f}x"
+    )
+    print(
+        f"   CPU time (not wall clock: the machine is shared): the replica process "
+        f"{result.cpu_done:.2f} s in all, {result.cpu_done - result.cpu_beat:.2f} s after its "
+        f"first heartbeat (the adoption); the floor's client {floor_cpu:.2f} s"
     )
     print(f"   for scale: the adopt loop claims pages of {ADOPT_PAGE} back to back while full")
     return result, floor, proc, before
@@ -902,12 +916,20 @@ async def _adopt_and_footprint(
             "< 2% / < 1%",
             verdict(cpu < 0.02 and srv < 0.01),
         )
+        floor_s, floor_cpu = floor
         summary.add(
             f"one replica adopts {n:,} prompts",
             f"{adoption.parked:.2f} s ({n / adoption.parked:,.0f}/s)",
-            f"{floor:.2f} s (same Redis work, 1 client)",
+            f"{floor_s:.2f} s (same Redis work, 1 client)",
             "<= 1 s" if n <= 10_000 else "none given",
             verdict(adoption.parked <= 1.0) if n <= 10_000 else "-",
+        )
+        summary.add(
+            f"  its CPU time after its first beat, {n:,}",
+            f"{adoption.cpu_done - adoption.cpu_beat:.2f} s ({adoption.cpu_done:.2f} s in all)",
+            f"{floor_cpu:.2f} s (the floor client's CPU)",
+            "-",
+            "-",
         )
         summary.add(
             f"  of which from its first claim, {n:,}",

@@ -298,3 +298,28 @@ async def test_a_replica_found_dead_drops_everything_and_joins_again(
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)
+
+
+async def test_a_replica_whose_record_vanished_frees_its_threads_on_joining_again(
+    make_broker: Callable[..., Any],
+) -> None:
+    """A record can go while its replica still claims (removed as expired and empty, or lost
+    with a failed-over server): nobody can then find that incarnation's threads through it. The
+    replica, finding itself dead, puts its own last incarnation's threads up for claiming."""
+    person: Broker = await make_broker(lease_ttl=1.0, adopt_interval=0.05)
+    b: Broker = await make_broker(lease_ttl=1.0, adopt_interval=0.05)
+    replica = Replica(b, harnesses={"scripted": ScriptedHarness()}, replica_id="ra")
+    stop = asyncio.Event()
+    task = asyncio.create_task(replica.run(stop))
+    try:
+        await person.sessions.create("t1", "scripted", "approval", {"script": {"turns": []}})
+        await until(lambda: truthy("t1" in replica.threads), "ra to adopt t1")
+        first = replica.incarnation
+        await person.redis.hdel(person.keys.replica_records, "ra")  # type: ignore[misc]
+        await until(lambda: truthy(replica.incarnation != first), "ra to join again")
+        await until(lambda: truthy("t1" in replica.threads), "ra to adopt t1 again", within=5)
+        s = await person.sessions.get("t1")
+        assert s is not None and s.holder_incarnation == replica.incarnation
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
