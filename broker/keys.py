@@ -126,8 +126,10 @@ class Keys:
     """Key names under one prefix (tests give each run its own)."""
 
     prefix: str = "pp"
-    # On a Redis Cluster arq's keys for the audit jobs share one hash tag, so arq (which cannot
-    # span slots) works on the one primary that owns it, and enqueueing stays one script.
+    # On a Redis Cluster every key arq touches for the audit jobs shares one slot, so arq
+    # (which cannot span slots) works on the one primary owning it, and enqueueing stays one
+    # script. The slot is that of arq's one fixed key, `arq:abort` (its transactions name it),
+    # reached with the hash tag `{arq:abort}` (`audit_slot`).
     cluster: bool = False
 
     def __post_init__(self) -> None:
@@ -169,7 +171,12 @@ class Keys:
 
     @property
     def audit_queue(self) -> str:
-        return f"{{{self.prefix}:audit}}:queue" if self.cluster else f"{self.prefix}:audit:queue"
+        return f"{self.audit_slot}{self.prefix}:audit:queue"
+
+    @property
+    def audit_slot(self) -> str:
+        """What starts every arq key name of ours on a cluster (its hash tag); '' otherwise."""
+        return "{arq:abort}:" if self.cluster else ""
 
     @property
     def prompt_pattern(self) -> str:
@@ -178,8 +185,7 @@ class Keys:
 
     def audit_job_id(self, thread_id: str, prompt_id: str) -> str:
         """The arq job id of a prompt's audit job: one per prompt, so enqueueing is idempotent."""
-        tag = f"{{{self.prefix}:audit}}" if self.cluster else f"{self.prefix}:audit"
-        return f"{tag}:{thread_id}/{prompt_id}"
+        return f"{self.audit_slot}{self.prefix}:audit:{thread_id}/{prompt_id}"
 
     @staticmethod
     def member(thread_id: str, prompt_id: str) -> str:

@@ -21,10 +21,12 @@ import dataclasses
 import logging
 import re
 import signal
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
 import arq.worker
+import redis.cluster
 from arq import cron, func
 from arq.connections import RedisSettings
 from arq.worker import Worker
@@ -204,14 +206,42 @@ def _redis_settings(url: str) -> RedisSettings:
     )
 
 
+def _queue_url(settings: Settings, queue: str) -> str:
+    """Where arq works: the Redis server, or on a cluster the primary owning the queue's slot.
+
+    arq cannot span slots; on a cluster every key it touches for the audit jobs shares the
+    queue's hash tag (broker/keys.py), so one primary holds them all. Looked up each time a
+    worker starts: after a failover the restarted worker finds the promoted primary.
+    """
+    if not settings.redis_cluster:
+        return settings.redis_url
+    nodes = redis.cluster.RedisCluster.from_url(settings.redis_url)
+    try:
+        node = nodes.get_node_from_key(queue)
+    finally:
+        nodes.close()
+    parts = urllib.parse.urlsplit(settings.redis_url)
+    return urllib.parse.urlunsplit(parts._replace(netloc=_netloc(parts, node.host, node.port)))
+
+
+def _netloc(parts: urllib.parse.SplitResult, host: str, port: int) -> str:
+    auth = parts.netloc.rpartition("@")[0]
+    return f"{auth}@{host}:{port}" if auth else f"{host}:{port}"
+
+
 def worker_settings(settings: Settings | None = None) -> dict[str, Any]:
     """arq Worker keyword arguments for these settings (the environment by default)."""
     settings = settings or Settings.from_env()
+    keys = Keys(settings.key_prefix, cluster=settings.redis_cluster)
+    # On a cluster the reconcile job's arq keys need the queue's hash tag too.
+    reconcile_name = f"{keys.audit_slot}{settings.key_prefix}:reconcile" if keys.cluster else None
     return {
         "functions": [func(post_resolution, name=AUDIT_JOB)],
-        "cron_jobs": [cron(reconcile, second={0, 15, 30, 45}, run_at_startup=True)],
-        "queue_name": Keys(settings.key_prefix).audit_queue,
-        "redis_settings": _redis_settings(settings.redis_url),
+        "cron_jobs": [
+            cron(reconcile, name=reconcile_name, second={0, 15, 30, 45}, run_at_startup=True)
+        ],
+        "queue_name": keys.audit_queue,
+        "redis_settings": _redis_settings(_queue_url(settings, keys.audit_queue)),
         "job_timeout": settings.audit_job_timeout,
         # No result kept: posting is idempotent on its own, and a kept result would block
         # re-enqueueing that prompt's job until it expired.
