@@ -51,18 +51,22 @@ class Script:
     sha: str
 
 
-def _load(name: str) -> Script:
+def _load(name: str, cluster: bool = False) -> Script:
     lua = resources.files("broker") / "lua"
     parts = [(lua / f).read_text() for f in ("_lib.lua", "_retain.lua", f"{name}.lua")]
     source = "\n".join(parts)
+    if cluster:
+        # On a cluster the bells are sharded: SPUBLISH reaches only the shard owning the
+        # channel's slot (the thread's, by its hash tag), where PUBLISH would reach every node.
+        source = source.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',")
     return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
 
 
 class Scripts:
     """Typed access to every script, for one Redis client."""
 
-    def __init__(self) -> None:
-        self.by_name = {name: _load(name) for name in NAMES}
+    def __init__(self, cluster: bool = False) -> None:
+        self.by_name = {name: _load(name, cluster) for name in NAMES}
 
     async def call(self, redis: Redis, name: str, keys: list[str], args: list[Any]) -> Any:
         """Run one script; if the server lost it (restart, SCRIPT FLUSH), load it and run again."""

@@ -26,6 +26,7 @@ from ulid import ULID
 
 from broker import _codec, events
 from broker._scripts import Scripts
+from broker._sharded import ShardedBells
 from broker._waiter import Waiter, Wake
 from broker.answers import check_structured, matchers, prepare
 from broker.errors import (
@@ -155,13 +156,17 @@ class Broker:
         pubsub = None if pubsub is None else self._decoding(pubsub)
         self.settings = settings or Settings()
         self.redis = redis
-        cluster = self.settings.redis_cluster or isinstance(redis, RedisCluster)
+        cluster = isinstance(redis, RedisCluster)  # the client decides, not the setting
         self.keys = Keys(self.settings.key_prefix, cluster=cluster)
         self.identity = self.settings.identity
         self._owns_client = owns_client
-        self._scripts = Scripts()
+        self._scripts = Scripts(cluster=cluster)
         self._pubsub_client = pubsub
-        self._waiter = Waiter(pubsub or redis, self._read_wakes, self.settings.sweep_interval)
+        bells = pubsub or redis
+        if isinstance(redis, RedisCluster):
+            # Typed as Redis: the waiter only calls `pubsub()`, which this provides.
+            bells = cast(Redis, ShardedBells(redis))
+        self._waiter = Waiter(bells, self._read_wakes, self.settings.sweep_interval)
         self.sessions = Sessions(self)
         self._closed = False
         self._deliveries: set[asyncio.Task[None]] = set()
@@ -204,17 +209,14 @@ class Broker:
         `redis_kwargs` go to `redis.asyncio.Redis.from_url` (timeouts, `max_connections`, ...).
         With `cluster=True` (default: the `redis_cluster` setting) `url` names one node of a
         Redis Cluster: commands go through redis-py's cluster client, each thread's scripts to
-        the primary owning its slot. Bells are still classic pub/sub there, which a cluster
-        carries to every node, so the waiter subscribes on the node `url` names; sharded
-        bells are to come.
+        the primary owning its slot, and the bells are sharded pub/sub (broker/_sharded.py).
         """
         settings = settings or Settings.from_env()
         url = url or settings.redis_url
         if cluster if cluster is not None else settings.redis_cluster:
             nodes = RedisCluster.from_url(url, decode_responses=True, **redis_kwargs)
-            bells = Redis.from_url(url, decode_responses=True, **redis_kwargs)
             # Typed as Redis: the cluster client answers every command the Broker sends.
-            return cls(cast(Redis, nodes), settings, owns_client=True, pubsub=bells)
+            return cls(cast(Redis, nodes), settings, owns_client=True)
         client = Redis.from_url(url, decode_responses=True, **redis_kwargs)
         return cls(client, settings, owns_client=True)
 

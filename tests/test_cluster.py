@@ -142,7 +142,7 @@ async def _is_primary(port: int) -> bool:
 
 async def test_a_lifecycle_on_the_cluster(redis_cluster: RedisClusterNodes) -> None:
     """`Broker.from_url` with `redis_cluster`: ask, answer, wait, deliver, audit and close with
-    retention, on threads spread over the three primaries (bells still classic pub/sub)."""
+    retention, on threads spread over the three primaries, the bells on sharded pub/sub."""
     settings = Settings(key_prefix="c" + uuid.uuid4().hex[:8], closed_ttl=30, redis_cluster=True)
     async with Broker.from_url(redis_cluster.url, settings) as b:
         assert isinstance(b.redis, RedisCluster)
@@ -161,6 +161,18 @@ async def test_a_lifecycle_on_the_cluster(redis_cluster: RedisClusterNodes) -> N
         assert {p.prompt_id for p in await b.open_prompts()} == {p.prompt_id for p in prompts}
         waits = [asyncio.create_task(b.wait(p.thread_id, p.prompt_id, timeout=10)) for p in prompts]
         await asyncio.sleep(0.2)
+        # Sharded bells: one connection per primary (not per thread), each channel on its
+        # slot's primary. The sweep is 15 s off, so the waits below return by bell alone.
+        ps = b._waiter._pubsub
+        assert ps is not None and len(ps._conns) == 3  # type: ignore[attr-defined]
+        for t in threads:
+            node = b.redis.get_node_from_key(b.thread(t).wake)
+            direct = Redis(host=node.host, port=node.port, decode_responses=True)
+            try:
+                counts = await direct.execute_command("PUBSUB", "SHARDNUMSUB", b.thread(t).wake)
+            finally:
+                await direct.aclose()
+            assert counts == [b.thread(t).wake, 1]
         for t in threads:
             routed = await b.post_item(t, {"content": [{"type": "text", "text": f"name {t}"}]})
             assert routed.outcome == "answered"
