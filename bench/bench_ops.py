@@ -1,0 +1,143 @@
+"""The cost of metrics: lifecycles per second with and without them, in one run.
+
+A lifecycle: a thread gets a message, its replica runs a scripted turn that asks a question, a
+person answers as text, the turn ends. Each round runs `--threads` lifecycles at once through
+one in-process replica on a private redis-server, and rounds alternate between metrics off and
+on (so drift in the machine's load falls on both alike). "On" is everything a fleet process pays:
+the harnesses wrapped (turn counters and histograms, the turn-timeout watchdog), the log event
+counters, an ops endpoint scraped every 0.5 s, and the fleet sampler reading Redis every 0.5 s
+(30x more often than its default).
+
+    .venv/bin/python bench/bench_ops.py --rounds 10 --threads 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from redis.asyncio import Redis
+
+from bench.private_redis import free_port, private_redis
+from broker import Broker, Settings
+from workers import metrics
+from workers.health import probe, serve_ops
+from workers.replica import Replica
+
+TEXT = {"content": [{"type": "text", "text": "go"}]}
+ANSWER = {"content": [{"type": "text", "text": "1"}]}
+
+
+async def _ready() -> str | None:
+    return None
+
+
+async def _scraper(port: int) -> None:
+    while True:
+        await probe(port, "/metrics")
+        await asyncio.sleep(0.5)
+
+
+def _uncount_logs() -> None:
+    """Take the log counters off again, so an "off" round pays nothing for them."""
+    import logging
+
+    for name in metrics._COUNTED_LOGGERS:
+        logger = logging.getLogger(name)
+        for f in [f for f in logger.filters if isinstance(f, metrics.LogCounter)]:
+            logger.removeFilter(f)
+        logger.setLevel(logging.NOTSET)
+
+
+async def one_round(url: str, n: int, on: bool, index: int) -> float:
+    """Lifecycles per second of one round."""
+    prefix = f"ops{index}{'m' if on else 'x'}"
+    settings = Settings(key_prefix=prefix, lease_ttl=2.0, adopt_interval=0.05, sweep_interval=5.0)
+    replica_broker = Broker(Redis.from_url(url, decode_responses=True), settings)
+    person = Broker(Redis.from_url(url, decode_responses=True), settings)
+    replica = Replica(replica_broker, None, f"bench-{prefix}")
+    stack = contextlib.AsyncExitStack()
+    if on:
+        metrics.instrument(replica.harnesses, 1800)
+        metrics.count_logs()
+        stack.callback(_uncount_logs)
+        port = await stack.enter_async_context(serve_ops(_ready, 0, host="127.0.0.1"))
+        sampler = metrics.FleetSampler(person.redis, person.keys, 2000, 0.5)
+        await stack.enter_async_context(metrics.sampling(sampler))
+        scrape = asyncio.create_task(_scraper(port))
+        stack.callback(scrape.cancel)
+    stop = asyncio.Event()
+    task = asyncio.create_task(replica.run(stop))
+    try:
+        threads = [f"t{i}" for i in range(n)]
+        for t in threads:
+            await person.sessions.create(t, "scripted", "approval", {}, work_folder="/w")
+        await asyncio.sleep(0.5)  # adopted before the clock starts
+        started = time.perf_counter()
+        await asyncio.gather(*(person.post_item(t, TEXT) for t in threads))
+        answered: set[str] = set()
+        while len(answered) < n:
+            for p in await person.open_prompts():
+                if p.thread_id not in answered and p.state == "pending":
+                    await person.post_item(p.thread_id, ANSWER)
+                    answered.add(p.thread_id)
+            await asyncio.sleep(0.005)
+        while True:
+            sessions = await asyncio.gather(*(person.sessions.get(t) for t in threads))
+            if all(s is not None and s.status == "idle" for s in sessions):
+                break
+            await asyncio.sleep(0.005)
+        return n / (time.perf_counter() - started)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+        await stack.aclose()
+        keys = [k async for k in person.redis.scan_iter(match=f"{prefix}:*", count=1000)]
+        if keys:
+            await person.redis.delete(*keys)
+        await replica_broker.aclose()
+        await person.aclose()
+
+
+async def main(args: argparse.Namespace) -> None:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("needs redis-server on PATH")
+    with private_redis(exe, free_port()) as url:
+        results: dict[bool, list[float]] = {False: [], True: []}
+        await one_round(url, args.threads, False, 99)  # warm-up (imports, script cache): unscored
+        for i in range(args.rounds * 2):
+            on = i % 2 == 1
+            rate = await one_round(url, args.threads, on, i)
+            results[on].append(rate)
+            print(f"round {i + 1}: metrics {'on ' if on else 'off'} {rate:7.1f} lifecycles/s")
+        off, on_ = statistics.median(results[False]), statistics.median(results[True])
+        print(
+            f"median of {args.rounds} rounds each, {args.threads} lifecycles a round: "
+            f"off {off:.1f}/s, on {on_:.1f}/s ({(on_ - off) / off * 100:+.1f}%)"
+        )
+
+
+def _args(argv: Any = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of each (default 6)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=3,
+        help="lifecycles a round, at once (default 3)",
+    )
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(_args()))
