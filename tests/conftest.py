@@ -167,7 +167,7 @@ def start_cluster(root: Path) -> RedisClusterNodes:
             node.dir.mkdir()
             node.start(
                 "--cluster-enabled", "yes", "--cluster-config-file", str(node.dir / "nodes.conf"),
-                "--cluster-node-timeout", "2000",
+                "--cluster-node-timeout", "2000", "--logfile", str(node.dir / "redis.log"),
             )  # fmt: skip
         addresses = [f"127.0.0.1:{n.port}" for n in nodes]
         subprocess.run(
@@ -177,7 +177,10 @@ def start_cluster(root: Path) -> RedisClusterNodes:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             states = [redis.Redis(port=n.port).cluster("info")["cluster_state"] for n in nodes]
-            if all(state == "ok" for state in states):
+            # A replica can take over only once it has synced with its primary.
+            links = [redis.Redis(port=n.port).info("replication") for n in nodes]
+            synced = all(i["role"] == "master" or i["master_link_status"] == "up" for i in links)
+            if synced and all(state == "ok" for state in states):
                 return cluster
             time.sleep(0.1)
         raise RuntimeError("the test cluster did not reach cluster_state:ok")
