@@ -14,6 +14,9 @@ prompt-broker serve [--host H] [--port P] [--tokens FILE]
                                          the HTTP API, its event streams and the web inbox
 prompt-broker token new NAME --scopes read,answer [--threads GLOB]
                                          make a token; prints it, then its line for the config
+prompt-broker status [--json]            the fleet: replicas, threads, waits, prompts, audit backlog
+prompt-broker health worker|audit|serve [--port P] [--live]
+                                         probe a process's health endpoint (exit 0 when ready)
 """
 
 from __future__ import annotations
@@ -579,6 +582,66 @@ async def cmd_token(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+# -- status, health (ops) ----------------------------------------------------------------------
+
+
+def _status_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+async def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    from workers.ops_status import fleet_status, render
+
+    async with Broker.from_url(settings=settings, socket_connect_timeout=5) as b:
+        found = await fleet_status(b.redis, b.keys, int(settings.lease_ttl * 1000))
+    print(render(found, as_json=args.json))
+    return 0
+
+
+def _health_args(parser: argparse.ArgumentParser) -> None:
+    from workers.health import DEFAULT_PORT
+
+    parser.add_argument(
+        "process",
+        choices=["worker", "audit", "serve"],
+        help="the process to probe (worker and audit: their ops endpoint; serve: its own port)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help=f"its port (default: PROMPT_BROKER_OPS_PORT, else {DEFAULT_PORT}; serve: "
+        "PROMPT_BROKER_API_PORT, else 8420)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="its address (default: 127.0.0.1)")
+    parser.add_argument("--live", action="store_true", help="liveness only, not readiness")
+
+
+def _health_port(args: argparse.Namespace) -> int:
+    from workers.health import DEFAULT_PORT, ops_port
+
+    if args.port is not None:
+        return int(args.port)
+    if args.process == "serve":
+        from web.settings import ApiSettings
+
+        return ApiSettings.from_env().port
+    return ops_port() or DEFAULT_PORT
+
+
+async def cmd_health(args: argparse.Namespace, settings: Settings) -> int:
+    from workers.health import probe
+
+    live = "/healthz" if args.process == "serve" else "/livez"
+    status, body = await probe(_health_port(args), live if args.live else "/readyz", args.host)
+    if status == 200:
+        print(f"{args.process}: {body}")
+        return 0
+    what = "live" if args.live else "ready"
+    print(f"{_me()}: {args.process} not {what}: {body or status}", file=sys.stderr)
+    return 1
+
+
 #: What a fleet's own processes are handed (PROMPT_BROKER_REDIS_URL): they never look around.
 _HANDED = "the Redis server (default: PROMPT_BROKER_REDIS_URL, else redis://127.0.0.1:6379/0)"
 
@@ -623,6 +686,16 @@ RUNTIME: dict[str, Command] = {
     ),
     "token": Command(
         "make an API token", _token_args, cmd_token, finds_fleet=False, redis_help=_HANDED
+    ),
+    "status": Command(
+        "print the fleet: replicas, waits, prompts, audit backlog", _status_args, cmd_status
+    ),
+    "health": Command(
+        "probe a fleet process's health endpoint (exit 0 when ready)",
+        _health_args,
+        cmd_health,
+        finds_fleet=False,
+        redis_help="unused: the probe asks the process, not Redis",
     ),
 }
 
