@@ -231,6 +231,13 @@ _EQUIVALENT: list[tuple[str, str, str, str, str]] = [
     ("audit", "_prompt_batches", _NUM, "if len(batch) >= 501:", _BATCH),
     ("audit", "_prompt_batches", _NUM, "if len(batch) >= 499:", _BATCH),
     ("audit", "_prompt_batches", _GT, "if len(batch) > 500:", _BATCH),
+    (
+        "policy",
+        "Guard._first_match",
+        _NUM,
+        "for later in rules[i + 0 :]:",
+        "the scan then starts at the allow rule itself, which is no deny: skipped as before",
+    ),
 ]
 EQUIVALENT: dict[tuple[str, str, str, str], str] = {e[:4]: e[4] for e in _EQUIVALENT}
 

@@ -259,3 +259,100 @@ def test_outside_a_realpath_that_fails_counts_as_outside(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(policy.os.path, "realpath", racing)
     assert policy._outside("src/a", "/work", ".")
+
+
+def _guard(*rules: dict[str, Any], default: str) -> policy.Guard:
+    block = {"rules": list(rules), "default": default}
+    return policy.Guard((), policy.parse_policy(block), "/work")
+
+
+def _bash(g: policy.Guard, command: str) -> tuple[str, str]:
+    verdict = g.decide("claude_code", "Bash", {"command": command})
+    return verdict.action, verdict.rule
+
+
+def test_allow_glob_never_spans_a_line_inside_a_nested_script() -> None:
+    """Every command of an allowed script must match one line of the glob, nested ones too.
+
+    `bash -c $'echo "a\\nb"'` is one line, but its nested `echo` carries a newline (mutant: the
+    per-command `one_line=True` made False, so the allow rule took it)."""
+    g = _guard({"id": "ok", "effect": "exec", "action": "allow", "command": ["bash *", "echo *"]},
+               default="deny")  # fmt: skip
+    assert _bash(g, "bash -c $'echo \"a\\nb\"'") == ("deny", "")
+    assert _bash(g, "bash -c 'echo a'") == ("ask", "ok")  # not plain: unproven, asks
+
+
+def test_deny_glob_matches_the_whole_command_across_lines() -> None:
+    """A deny glob is matched against the whole multi-line command (mutant: `one_line=False`
+    made True for the whole): `ls*rm *` names no single command of `ls` then `rm -rf x`."""
+    g = _guard({"id": "no", "effect": "exec", "action": "deny", "command": ["ls*rm *"]},
+               default="allow")  # fmt: skip
+    assert _bash(g, "ls\nrm -rf x") == ("deny", "no")
+
+
+def test_deny_glob_matches_a_decoded_form_across_lines() -> None:
+    """A deny glob is matched against each decoded form, newlines and all (mutant: the forms'
+    `one_line=False` made True): `$'a\\nsecret'` is `a`, newline, `secret` once decoded."""
+    g = _guard({"id": "no", "effect": "exec", "action": "deny", "command": ["echo a?secret"]},
+               default="allow")  # fmt: skip
+    assert _bash(g, "echo $'a\\nsecret'") == ("deny", "no")
+
+
+def test_an_unproven_allow_yields_to_a_later_deny() -> None:
+    """An allow that cannot prove the command asks, unless a later deny matches, which then
+    decides (mutants: the scan of later rules run zero times, started one rule late, or at
+    `i - 1`, which for the first rule is the last rule only). A later ask or allow does not
+    decide it (mutant: `later.action == "deny"` negated)."""
+    g = _guard(
+        {"id": "ls", "effect": "exec", "action": "allow", "command": ["ls *", "cat *"]},
+        {"id": "secret", "effect": "exec", "action": "deny", "command": ["*secret*"]},
+        {"id": "rm", "effect": "exec", "action": "deny", "command": ["rm *"]},
+        {"id": "notes", "effect": "exec", "action": "ask", "command": ["*notes*"]},
+        default="allow",
+    )
+    assert _bash(g, "ls $(cat secret)") == ("deny", "secret")
+    assert _bash(g, "ls $(cat notes)") == ("ask", "ls")
+
+
+def test_a_relative_redirect_after_a_cd_meets_an_outside_rule() -> None:
+    """After a `cd`, a relative redirection could land anywhere: an outside-rule meets it
+    (mutant: that `return True` made False, so it was judged from the work folder)."""
+    g = _guard({"id": "out", "effect": "write", "action": "deny", "outside": "work_folder"},
+               default="allow")  # fmt: skip
+    assert _bash(g, "cd /tmp && echo x > out.txt") == ("deny", "out")
+    assert _bash(g, "echo x > out.txt") == ("allow", "")
+
+
+def test_exec_match_without_an_analysed_script_is_no_match() -> None:
+    """With no analysed script an exec rule does not match (mutant: `command is None or
+    script is None` made `and`). evaluate() analyses every command it has, so this is the
+    second line of that check, tested on its own."""
+    rule = policy.Rule("ok", "exec", "allow", command=("*",))
+    ctx = policy._Context(policy.Call("Bash", "exec", "ls"), "/work", None)
+    assert policy._exec_match(rule, ctx) == "no"
+
+
+def test_a_side_effect_is_decided_by_the_first_rule_of_its_effect() -> None:
+    """For each write, read or network use the first rule of that effect that meets it decides,
+    as for calls (mutant: the `break` after it made `continue`, so a later deny overrode an
+    earlier allow)."""
+    g = _guard(
+        {"id": "w", "effect": "write", "action": "allow"},
+        {"id": "out", "effect": "write", "action": "deny", "outside": "work_folder"},
+        default="allow",
+    )
+    assert _bash(g, "echo x > /tmp/out") == ("allow", "")
+
+
+def test_size_counts_the_command_and_sends_odd_input_off_the_loop() -> None:
+    """No command is size 0 (mutant: 1); input that raises while being read is sized past
+    ASYNC_OVER so it is decided in a thread (mutants: the except narrowed, `+ 1` made `+ 0`)."""
+
+    class Odd(dict[str, Any]):
+        def get(self, *args: Any) -> Any:
+            raise RuntimeError("odd")
+
+    assert policy._size({"command": None}) == 0
+    assert policy._size({}) == 0
+    assert policy._size({"command": "abc"}) == 3
+    assert policy._size(Odd()) == policy.ASYNC_OVER + 1
