@@ -414,7 +414,7 @@ async def prepare_dead(
                 )
             )
         prepared = time.perf_counter() - t0
-        # A live fleet's server has every script loaded (the dead replica renewed its leases):
+        # A live fleet's server has every script loaded (the dead replica beat and claimed):
         # so does this one, so the adopter pays no NOSCRIPT retries the fleet would not.
         for script in b._scripts.by_name.values():
             await b.redis.script_load(script.source)
