@@ -71,6 +71,12 @@ def env(redis_server_factory: Callable[..., RedisServer]) -> dict[str, str]:
     }
 
 
+PICK = (
+    '{"turns": [{"steps": [{"ask": [{"question": "Pick one", "header": "pick", '
+    '"options": [{"label": "A"}, {"label": "B"}]}]}, {"say": "after the question"}]}]}'
+)
+
+
 def thread(env: dict[str, str], tmp_path: Path, script: str) -> None:
     path = tmp_path / "script.json"
     path.write_text(script)
@@ -112,3 +118,48 @@ def test_waiting_on_a_person_does_not_count(env: dict[str, str], tmp_path: Path)
         assert answered.returncode == 0, answered.stderr
         out = eventually(lambda: "done" in (s := shown(env)) and s, "the turn's end")
         assert "without asking anything" not in out
+
+
+def test_prompt_past_its_deadline_expires_once_never_approved(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Two audit workers expire a held prompt past PROMPT_BROKER_OPS_PROMPT_DEADLINE: it is
+    cancelled with reason expired (never answered), once, and its agent is told; an audit worker
+    started after the deadline passed while none ran expires it at its first look."""
+    import redis
+
+    deadline = {"PROMPT_BROKER_OPS_PROMPT_DEADLINE": "2", "PROMPT_BROKER_OPS_TURN_TIMEOUT": "0"}
+    r = redis.Redis.from_url(env["PROMPT_BROKER_REDIS_URL"], decode_responses=True)
+    with process(["worker"], env):
+        thread(env, tmp_path, PICK)  # one question, held
+        eventually(lambda: "Pick one" in cli("open", env=env).stdout, "the question")
+        [member] = r.zrange("pp:open", 0, -1)
+        prompt_key = "pp:{t1}:prompt:" + member.split("/")[1]
+        time.sleep(3)  # past the deadline with no expirer running: nothing happens by itself
+        assert r.hget(prompt_key, "state") == "pending"
+        with process(["audit"], env | deadline), process(["audit"], env | deadline):
+            eventually(lambda: r.hget(prompt_key, "state") == "cancelled", "the expiry", 20)
+            assert r.hget(prompt_key, "reason") == "expired"
+            assert r.hget(prompt_key, "answers") is None
+            time.sleep(1.5)  # both expirers look again: nothing more happens
+        events = [f for _, f in r.xrange("pp:events") if f["prompt"] == member.split("/")[1]]
+        assert [e["event"] for e in events] == ["prompt.opened", "prompt.cancelled"]
+        out = eventually(lambda: "expired" in (s := shown(env)) and s, "the agent told")
+        assert "approved" not in out.lower().replace("not approved", "")
+
+
+def test_a_new_prompt_gets_its_full_time(env: dict[str, str], tmp_path: Path) -> None:
+    """With the expirer running, a prompt is not expired before its deadline."""
+    import redis
+
+    deadline = {"PROMPT_BROKER_OPS_PROMPT_DEADLINE": "4"}
+    r = redis.Redis.from_url(env["PROMPT_BROKER_REDIS_URL"], decode_responses=True)
+    with process(["worker"], env), process(["audit"], env | deadline):
+        thread(env, tmp_path, PICK)
+        eventually(lambda: "Pick one" in cli("open", env=env).stdout, "the question")
+        [member] = r.zrange("pp:open", 0, -1)
+        prompt_key = "pp:{t1}:prompt:" + member.split("/")[1]
+        created = int(r.hget(prompt_key, "created") or 0)
+        eventually(lambda: r.hget(prompt_key, "state") == "cancelled", "the expiry", 20)
+        resolved = int(r.hget(prompt_key, "resolved") or 0)
+        assert 4000 <= resolved - created < 4000 + 3000, resolved - created

@@ -27,9 +27,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from broker import BadItem, Settings
+from broker import BadItem, Broker, Settings
 from broker.keys import Keys
 from workers import metrics
+from workers.deadlines import DEADLINE_ENV, expiring
 from workers.ops_status import replica_alive
 
 if TYPE_CHECKING:
@@ -155,11 +156,17 @@ async def serve_replica_ops(replica: Replica, port: int | None = None) -> AsyncI
 
 @contextlib.asynccontextmanager
 async def serve_audit_ops(settings: Settings, port: int | None = None) -> AsyncIterator[int]:
-    """The audit worker's ops endpoint; it also samples the fleet metrics from Redis."""
+    """The audit worker's ops endpoint; it also samples the fleet metrics from Redis. With
+    `PROMPT_BROKER_OPS_PROMPT_DEADLINE` set, it expires prompts past it (port or no port)."""
     metrics.count_logs()
     port = ops_port() if port is None else port
+    deadline = _env_number(DEADLINE_ENV, 0)
     if not port:
-        yield 0
+        if not deadline:
+            yield 0
+            return
+        async with Broker.from_url(settings=settings) as broker, expiring(broker, deadline):
+            yield 0
         return
     redis = Redis.from_url(settings.redis_url, decode_responses=True, socket_connect_timeout=5)
     keys = Keys(settings.key_prefix)
@@ -171,7 +178,12 @@ async def serve_audit_ops(settings: Settings, port: int | None = None) -> AsyncI
         return None
 
     try:
-        async with serve_ops(ready, port) as bound, metrics.sampling(sampler):
+        async with (
+            Broker(redis, settings) as broker,
+            serve_ops(ready, port) as bound,
+            metrics.sampling(sampler),
+            expiring(broker, deadline),
+        ):
             yield bound
     finally:
         await redis.aclose()
