@@ -9,6 +9,7 @@ counters, an ops endpoint scraped every 0.5 s, and the fleet sampler reading Red
 (30x more often than its default).
 
     .venv/bin/python bench/bench_ops.py --rounds 10 --threads 3
+    .venv/bin/python bench/bench_ops.py --deadlines 1000   # deadline accuracy instead
 """
 
 from __future__ import annotations
@@ -108,11 +109,68 @@ async def one_round(url: str, n: int, on: bool, index: int) -> float:
         await person.aclose()
 
 
+QUESTION = {"question": "Go?", "options": [{"label": "yes"}, {"label": "no"}]}
+
+
+async def bench_deadlines(url: str, n: int, deadline: float) -> None:
+    """`n` prompts asked over about 2 s with a deadline of `deadline` s, two expirers running
+    (as two audit workers would), one of them killed midway: how late each expiry came (its
+    record's resolved minus created minus the deadline, both server time), none twice, none lost."""
+    from workers.deadlines import EXPIRED, expiring
+
+    settings = Settings(key_prefix="opsdl")
+    asker = Broker(Redis.from_url(url, decode_responses=True), settings)
+    expirers = [Broker(Redis.from_url(url, decode_responses=True), settings) for _ in range(2)]
+    async with contextlib.AsyncExitStack() as stack:
+        first = contextlib.AsyncExitStack()
+        await first.enter_async_context(expiring(expirers[0], deadline))
+        await stack.enter_async_context(expiring(expirers[1], deadline))
+        prompts = []
+        for i in range(n):
+            prompts.append(await asker.ask(f"d{i}", "ask_user_question", [QUESTION]))
+            if i == n // 2:
+                await first.aclose()  # one expirer gone midway
+            if i % 50 == 0:
+                await asyncio.sleep(0.1)
+        for _ in range(int(deadline * 5) + 300):  # at most a minute past the deadline
+            if not await asker.open_prompts():
+                break
+            await asyncio.sleep(0.2)
+    late = []
+    for p in prompts:
+        got = await asker.get_prompt(p.thread_id, p.prompt_id)
+        assert got is not None and got.state == "cancelled" and got.reason == EXPIRED, got
+        assert got.resolved_at is not None
+        late.append((got.resolved_at - got.created_at).total_seconds() - deadline)
+    events = [f async for f in _cancel_events(asker)]
+    late.sort()
+    print(
+        f"deadlines: {n} prompts, deadline {deadline:g} s, 2 expirers (one stopped midway): "
+        f"late p50 {late[n // 2] * 1000:.0f} ms, p99 {late[int(n * 0.99)] * 1000:.0f} ms, "
+        f"max {late[-1] * 1000:.0f} ms; cancellations {len(events)} for {n} prompts "
+        f"({len(set(events))} distinct)"
+    )
+    keys = [k async for k in asker.redis.scan_iter(match="opsdl:*", count=1000)]
+    for i in range(0, len(keys), 500):
+        await asker.redis.delete(*keys[i : i + 500])
+    for b in (asker, *expirers):
+        await b.aclose()
+
+
+async def _cancel_events(b: Broker) -> Any:
+    for _, fields in await b.redis.xrange("opsdl:events"):
+        if fields.get("event") == "prompt.cancelled":
+            yield fields["prompt"]
+
+
 async def main(args: argparse.Namespace) -> None:
     exe = shutil.which("redis-server")
     if exe is None:
         raise SystemExit("needs redis-server on PATH")
     with private_redis(exe, free_port()) as url:
+        if args.deadlines:
+            await bench_deadlines(url, args.deadlines, 2.0)
+            return
         results: dict[bool, list[float]] = {False: [], True: []}
         await one_round(url, args.threads, False, 99)  # warm-up (imports, script cache): unscored
         for i in range(args.rounds * 2):
@@ -135,6 +193,9 @@ def _args(argv: Any = None) -> argparse.Namespace:
         type=int,
         default=3,
         help="lifecycles a round, at once (default 3)",
+    )
+    parser.add_argument(
+        "--deadlines", type=int, default=0, metavar="N", help="measure N prompt deadlines instead"
     )
     return parser.parse_args(argv)
 
