@@ -165,3 +165,42 @@ def test_counting_log_events_prints_nothing_more(caplog: pytest.LogCaptureFixtur
         logging.getLogger("workers.replica").info("wait.demoted", extra={"thread_id": "t"})
     assert metrics.DEMOTED._value.get() == before + 2
     assert [r for r in caplog.records if r.msg == "wait.demoted"]
+
+
+async def test_cancelled_as_the_turn_fails_leaves_no_unretrieved_error() -> None:
+    """The turn-timeout wrapper cancelled (its thread lost) just after the harness's turn ended
+    with an error: the error is retrieved, the cancellation propagates, asyncio reports nothing."""
+    import dataclasses
+    import gc
+
+    from workers.harness import Turn
+
+    started, go = asyncio.Event(), asyncio.Event()
+
+    class Failing:
+        name = "failing"
+
+        async def run_turn(self, turn: Turn) -> Any:
+            started.set()
+            await go.wait()
+            raise RuntimeError("lost")
+
+    reported: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        harness: Any = metrics._Instrumented(Failing(), turn_timeout=60)  # type: ignore[arg-type]
+        turn = Turn("t1", "go", "approval", {}, None, None, None)  # type: ignore[arg-type]
+        outer = asyncio.ensure_future(harness.run_turn(dataclasses.replace(turn)))
+        await started.wait()
+        go.set()
+        await asyncio.sleep(0)  # the harness's turn fails; the wrapper is not resumed yet
+        outer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await outer
+        del outer
+        gc.collect()
+        await asyncio.sleep(0)
+        assert not [c for c in reported if "never retrieved" in str(c.get("message"))], reported
+    finally:
+        loop.set_exception_handler(None)

@@ -288,6 +288,10 @@ class _Instrumented:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+            elif not task.cancelled():
+                # Cancelled (the thread was lost) just as the turn ended with an error: the
+                # error is retrieved here, the cancellation goes on.
+                task.exception()
         TIMED_OUT.labels(self.name).inc()
         logging.getLogger("workers.metrics").warning(
             "turn.timed_out", extra={"thread_id": turn.thread_id, "timeout": self.turn_timeout}
