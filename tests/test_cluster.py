@@ -181,7 +181,15 @@ async def test_a_lifecycle_on_the_cluster(redis_cluster: RedisClusterNodes) -> N
         await b.settle()
         for p in prompts:
             assert await b.post_resolution(p.thread_id, p.prompt_id)
+        from workers.agent_store import AgentStore
+
+        store = AgentStore(b, threads[0])
+        entries = [{"n": i, "text": "a transcript entry " * 5} for i in range(20)]
+        for e in entries:
+            await store.append("claude:s", [e])
+        assert await store.load("claude:s") == entries
         await b.sessions.close(threads[0])
+        assert 0 < await b.redis.ttl(b.thread(threads[0]).agent("claude:s")) <= 30
         assert 0 < await b.redis.ttl(b.thread(threads[0]).items) <= 30
         assert await b.redis.ttl(b.thread(threads[1]).items) == -1
         # The audit jobs: arq's keys and queue share one hash tag, so one primary holds them.
