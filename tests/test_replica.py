@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import fakeredis
 import pytest
+from redis.exceptions import BusyLoadingError
 
 from broker import (
     Answer,
@@ -893,3 +894,70 @@ async def test_a_new_thread_is_indexed_only_once_its_record_exists(settings: Set
     finally:
         await person.aclose()
         await rival.aclose()
+
+
+# -- a turn that ends on Redis trouble, or fails after its wait was answered -------------------
+
+
+class EndsBadly:
+    """Asks one approval; on a fresh turn, once the ask parked, either raises a Redis error (its
+    own bookkeeping met Redis loading its data) or, after the person answered, reports failed.
+    A resume turn completes; the prompts it was resumed with are recorded."""
+
+    def __init__(self, how: str, person: Broker) -> None:
+        self.how, self.person = how, person
+        self.resumed: list[str] = []
+
+    async def run_turn(self, turn: Turn) -> TurnResult:
+        if turn.resume is not None:
+            self.resumed.append(turn.resume.prompt_id)
+            return TurnResult("completed")
+        try:
+            await turn.handle.ask("approval", [approval_question("Bash", {"command": "ls"})])
+        except PromptParked as parked:
+            prompt_id = parked.prompt_id
+            if self.how == "redis":
+                raise BusyLoadingError("Redis is loading the dataset in memory") from None
+
+            async def answered() -> bool:
+                p = await self.person.get_prompt(turn.thread_id, prompt_id)
+                return p.state == "answered"
+
+            await until(answered, "the person's answer")
+            return TurnResult("failed", error="the agent fell over")
+        return TurnResult("completed")
+
+    async def describe_interruption(self, *_: Any) -> str:
+        return ""
+
+
+async def test_redis_trouble_at_a_turns_end_is_not_a_failed_turn(
+    fleet: Fleet, person: Broker
+) -> None:
+    """A Redis error out of the harness (here: as its turn parks) cuts the turn off, as a
+    stopped replica would: the prompt stays open, and its answer resumes the agent. Taken for a
+    failed turn, the prompt was cancelled and the answer could never be given."""
+    harness = EndsBadly("redis", person)
+    await fleet.start("r1", harnesses={"bad": harness}, wait_mode="parked")
+    await person.sessions.create("t1", "bad", "approval", {})
+    await person.post_item("t1", text("go"))
+    p = await active(person, "t1")
+    await status_is(person, "t1", "parked")
+    assert (await person.get_prompt("t1", p.prompt_id)).state == "pending"
+    await person.post_item("t1", text("yes"))
+    await until(lambda: truthy(harness.resumed == [p.prompt_id]), "the resume turn")
+    items = await person.items("t1")
+    assert not [i for i in of_type(items, "turn_end") if i.metadata.get("status") == "failed"]
+
+
+async def test_a_failed_turn_keeps_a_wait_whose_answer_came(fleet: Fleet, person: Broker) -> None:
+    """A turn that fails after the person answered what its agent waited on does not drop that
+    answer: the session stays parked on it and a resume turn hands it over."""
+    harness = EndsBadly("fail", person)
+    await fleet.start("r1", harnesses={"bad": harness}, wait_mode="parked")
+    await person.sessions.create("t1", "bad", "approval", {})
+    await person.post_item("t1", text("go"))
+    p = await active(person, "t1")
+    await person.post_item("t1", text("yes"))
+    await until(lambda: truthy(harness.resumed == [p.prompt_id]), "the resume turn")
+    assert (await person.get_prompt("t1", p.prompt_id)).delivered_at is not None

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from redis.exceptions import RedisError
 from ulid import ULID
 
 from broker import (
@@ -54,6 +55,7 @@ from broker import (
     BadItem,
     Broker,
     BrokerError,
+    BrokerUnavailable,
     Fenced,
     Grant,
     Kind,
@@ -627,6 +629,13 @@ class Replica:
             return await harness.run_turn(turn)
         except (_Lost, Fenced, asyncio.CancelledError):
             raise
+        except (RedisError, BrokerUnavailable):
+            # Redis trouble (down, loading its data, timing out), not the agent's: the turn is
+            # cut off as if this replica had stopped, and its records decide on the next look
+            # (a parked wait resumes, a cut-off turn is reported), never a failed turn that
+            # would drop a wait whose answer may already be given.
+            logger.warning("turn.redis_trouble", extra={"thread_id": t.thread_id}, exc_info=True)
+            raise
         except Exception as e:
             logger.exception("turn.crashed", extra={"thread_id": t.thread_id})
             return TurnResult("failed", error=f"the agent crashed: {e!r}")
@@ -671,6 +680,12 @@ class Replica:
         if result.status == "failed":
             await self.broker.cancel(t.thread_id, result.error, epoch=t.epoch)
             await self._post(t, f"✗ the turn failed: {result.error}", "turn_end", "failed")
+            if await self._answered_wait(t):
+                # The person answered what the agent waited on before the turn failed: that
+                # answer is not dropped; the session stays parked on it and resumes.
+                await self._update(t, status="parked", hstate=state, error=result.error)
+                t.kicked = True
+                return
             await self._update(
                 t, status="idle", wait=None, hstate=state, error=result.error, delivered=None
             )
@@ -679,6 +694,17 @@ class Replica:
         await self.broker.cancel(t.thread_id, RUN_ENDED, epoch=t.epoch)
         await self._post(t, "", "turn_end", "completed")
         await self._update(t, status="idle", wait=None, hstate=state, error=None, delivered=None)
+
+    async def _answered_wait(self, t: _Thread) -> bool:
+        """Whether the session waits on a prompt that is answered and not yet handed over."""
+        session = await self.broker.sessions.get(t.thread_id, lease=False)
+        if session is None or session.waiting is None:
+            return False
+        try:
+            prompt = await self.broker.get_prompt(t.thread_id, session.waiting.prompt_id)
+        except PromptNotFound:
+            return False
+        return prompt.state == "answered" and prompt.delivered_at is None
 
     async def _update(self, t: _Thread, **fields: str | None) -> None:
         await self.broker.sessions.update(t.thread_id, t.epoch, **fields)
