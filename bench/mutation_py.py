@@ -8,16 +8,17 @@ each one is applied alone to a scratch copy of the tree (`git archive HEAD`, nev
 tree) while only that module's own tests run there (`-x`, fakeredis only, a per-mutant timeout).
 A mutant is killed when those tests fail or time out, survives when they pass.
 
-Why cosmic-ray and not mutmut: mutmut 3 rewrites every function of a module into trampolines and
-runs the tests in forked children of one pytest process inside its own `mutants/` copy; the
-pytest-asyncio loops, the Redis connection pools and the `pythonpath = ["."]` of this project
-do not survive that well, and it cannot be pointed at a few functions of a module. cosmic-ray
-edits one file in place and runs an ordinary pytest command in a subprocess with a timeout, so
-every test runs exactly as in CI, and its mutation positions carry line numbers, which is how
-the run below keeps to the functions named in TARGETS.
+Why cosmic-ray and not mutmut (mutmut was not tried here, for want of time): cosmic-ray edits
+one file in place and runs an ordinary pytest command in a fresh subprocess per mutant, with a
+timeout, so every test runs as it does in CI; its mutation positions carry line numbers, which is
+how this run keeps to the functions named in TARGETS. mutmut 3 rewrites every function of a
+module into a trampoline that dispatches to its mutants, and runs the tests in children forked
+from one long-lived pytest process; with this suite's asyncio loops, Redis connection pools and
+real-server fixtures, a fork per mutant was a risk not worth taking.
 
-Some survivors are equivalent: no caller can observe them (a number in a log line, a loop bound
-no input reaches). Each is named in EQUIVALENT with why; they are run and listed but not scored.
+Some survivors are equivalent: no caller can observe them (`zip(strict=True)` made False over
+lists equal by construction, a SCAN COUNT hint or a batch size moved, MULTI around plain reads,
+whether a log line is written). Each is named in EQUIVALENT with why; run, listed, not scored.
 
     .venv/bin/python bench/mutation_py.py                   # every target (about 12 min, 1 job)
     .venv/bin/python bench/mutation_py.py --only grants,audit
@@ -27,7 +28,7 @@ no input reaches). Each is named in EQUIVALENT with why; they are run and listed
 
 The scratch tree is `git archive HEAD` with this working tree's tests/test_guards_*.py laid over
 it (so uncommitted guard tests count; `--no-guards` leaves them out). Tests that need a real
-server are deselected (`-m "not real_redis"`): every Redis test here also runs on fakeredis.
+server are deselected (`-m "not real_redis"`): the Redis tests that run on both run on fakeredis.
 TEST_REDIS_URL is passed on as the suite uses it; set it to your own database.
 """
 
@@ -421,6 +422,7 @@ def run_target(name: str, trees: list[Path], quiet: bool) -> list[Mutant]:
     mutants = enumerate_mutants(name, target, trees[0])
     took = baseline(name, target, trees[0])
     print(f"== {name} ({target.path}): {len(mutants)} mutants, tests {took:.1f} s unmutated")
+    started = time.monotonic()
 
     def work(chunk: list[Mutant], tree: Path) -> None:
         for mutant in chunk:
@@ -434,6 +436,7 @@ def run_target(name: str, trees: list[Path], quiet: bool) -> list[Mutant]:
             for chunk, tree in zip(_chunks(mutants, len(trees)), trees, strict=True)
         ]:
             future.result()
+    print(f"   {name}: {len(mutants)} mutants in {(time.monotonic() - started) / 60:.1f} min")
     return mutants
 
 

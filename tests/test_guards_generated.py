@@ -6,6 +6,7 @@ every other test still passed. The mutant each one kills is named in its docstri
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
@@ -18,6 +19,7 @@ from broker.answers import MAX_DIGITS, map_text, prepare
 from broker.models import Answer, Kind, Option, Prompt, Question
 from tests.conftest import BrokerFactory
 from workers import audit, grants, policy
+from workers.harness import GateVerdict
 
 
 def _q(text: str, *labels: str, multi: bool = False) -> Question:
@@ -257,7 +259,7 @@ def test_outside_a_realpath_that_fails_counts_as_outside(monkeypatch: pytest.Mon
     def racing(path: str) -> str:
         raise FileNotFoundError(path)
 
-    monkeypatch.setattr(policy.os.path, "realpath", racing)
+    monkeypatch.setattr(os.path, "realpath", racing)
     assert policy._outside("src/a", "/work", ".")
 
 
@@ -356,3 +358,25 @@ def test_size_counts_the_command_and_sends_odd_input_off_the_loop() -> None:
     assert policy._size({}) == 0
     assert policy._size({"command": "abc"}) == 3
     assert policy._size(Odd()) == policy.ASYNC_OVER + 1
+
+
+def test_unseen_parts_ask_only_when_a_deny_or_ask_rule_could_have_met_them() -> None:
+    """An allowed command with parts the analysis could not see asks (`UNCHECKED`) when a deny
+    or ask rule could have met those parts; allow rules alone never make it ask. Mutants in
+    `_watched`: `and` made `or` (an allow rule watched), `effect != "exec"` made `==` (a write
+    rule, which an unseen redirection could meet, not watched)."""
+    only_allow = _guard({"id": "ls", "effect": "exec", "action": "allow", "command": ["ls *"]},
+                        default="allow")  # fmt: skip
+    assert _bash(only_allow, 'eval "$CMD"') == ("allow", "")
+    out = {"id": "out", "effect": "write", "action": "deny", "outside": "work_folder"}
+    write_deny = _guard(out, default="allow")
+    assert _bash(write_deny, 'eval "$CMD"') == ("ask", policy.UNCHECKED)
+
+
+def test_denied_item_keeps_a_detail_of_exactly_max_detail() -> None:
+    """A detail is cut only when longer than MAX_DETAIL (mutant: `>` made `>=`)."""
+    exact = "x" * policy.MAX_DETAIL
+    _, meta = policy.denied_item(GateVerdict("deny", "r", "exec", exact))
+    assert meta["detail"] == exact
+    _, meta = policy.denied_item(GateVerdict("deny", "r", "exec", exact + "y"))
+    assert meta["detail"] == "x" * (policy.MAX_DETAIL - 1) + "…"
