@@ -372,6 +372,10 @@
     state.prompts = next;
     renderList();
     for (const pid of gone) retire(pid, null);
+    // The bell of a supersede can come before the snapshot holds the newer prompt: once it
+    // does, the locked form's note gains its way to the newer one.
+    const v = state.view;
+    if (v && v.locked && v.why) showNote(v, explain(v, v.why.real, v.why.hint), v.why);
     if (!state.loaded) {
       state.loaded = true;
       const wide = window.matchMedia("(min-width: 761px)").matches;
@@ -693,8 +697,9 @@
     return h("div", { class: `note ${kind}` }, h("strong", {}, title), ...lines.filter(Boolean).map((l) => h("div", {}, l)));
   }
 
-  function showNote(v, el) {
+  function showNote(v, el, why) {
     if (state.view !== v) return;
+    v.why = why || null; // what the note explains, so a later snapshot can say it better
     const note = $("note");
     if (note) note.replaceChildren(el);
   }
@@ -760,10 +765,10 @@
     const v = state.view;
     if (!v || v.pid !== pid || v.locked) return;
     lock(v);
-    showNote(v, explain(v, null, hint));
+    showNote(v, explain(v, null, hint), { real: null, hint });
     try {
       const r = await api("GET", `/v1/threads/${enc(v.threadId)}/prompts/${enc(pid)}`);
-      if (r.ok && r.data.state !== "pending") showNote(v, explain(v, r.data, hint));
+      if (r.ok && r.data.state !== "pending") showNote(v, explain(v, r.data, hint), { real: r.data, hint });
     } catch {
       /* the note from the event stands */
     }
