@@ -14,6 +14,9 @@ prompt-broker serve [--host H] [--port P] [--tokens FILE]
                                          the HTTP API, its event streams and the web inbox
 prompt-broker token new NAME --scopes read,answer [--threads GLOB]
                                          make a token; prints it, then its line for the config
+prompt-broker webhooks list [--json]     the subscriptions and the deliveries that failed
+prompt-broker webhooks replay DELIVERY_ID
+                                         queue a failed delivery again
 prompt-broker status [--json]            the fleet: replicas, threads, waits, prompts, audit backlog
 prompt-broker health worker|audit|serve [--port P] [--live]
                                          probe a process's health endpoint (exit 0 when ready)
@@ -582,6 +585,67 @@ async def cmd_token(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+# -- webhooks ----------------------------------------------------------------------------------
+
+
+def _webhooks_args(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    listing = sub.add_parser(
+        "list", help="the subscriptions and the deliveries that failed for good"
+    )
+    listing.add_argument("--json", action="store_true", help="print one JSON document instead")
+    replay = sub.add_parser(
+        "replay", help="queue a failed delivery again (a running serve sends it)"
+    )
+    replay.add_argument("delivery", metavar="DELIVERY_ID", help="as `webhooks list` shows it")
+    for action in (listing, replay):
+        global_args(action)
+
+
+def _failed_line(record: dict[str, Any]) -> str:
+    payload = record.get("payload") or {}
+    return (
+        f"  {record['delivery']}  {payload.get('event', '?')}  thread {payload.get('thread_id')}"
+        f"  {record.get('tries')} tries  last error: {record.get('error')}"
+    )
+
+
+async def cmd_webhooks(args: argparse.Namespace, settings: Settings) -> int:
+    from web.settings import ApiSettings
+    from web.webhooks import Dispatcher
+
+    subscriptions = ApiSettings.from_env().webhooks
+    async with Broker.from_url(settings=settings, socket_connect_timeout=5) as b:
+        # The server's own reader and writer of the failed deliveries, so both see one record.
+        hooks = Dispatcher(b.redis, b.keys, subscriptions)
+        try:
+            if args.action == "replay":
+                if not await hooks.replay(args.delivery):
+                    raise CliError(
+                        f"DELIVERY_ID: no failed delivery {args.delivery!r} "
+                        "(`webhooks list` shows those kept)"
+                    )
+                print(f"delivery {args.delivery} queued again: a running `serve` sends it")
+                return 0
+            failed = await hooks.failures()
+        finally:
+            await hooks.aclose()
+    # Never the secret: the same fields `GET /v1/webhooks` shows.
+    subscribed = [{"id": h.id, "url": h.url, "events": list(h.events)} for h in subscriptions]
+    if args.json:
+        document = {"webhooks": subscribed, "failed": failed}
+        print(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode())
+        return 0
+    lines = [f"subscriptions ({len(subscribed)}):"]
+    lines += [f"  {s['id']}  {s['url']}  {', '.join(s['events'])}" for s in subscribed]
+    if not subscribed:
+        lines.append("  none (PROMPT_BROKER_API_WEBHOOKS is empty)")
+    lines.append(f"failed deliveries ({len(failed)}):")
+    lines += [_failed_line(r) for r in failed] or ["  none"]
+    print("\n".join(lines))
+    return 0
+
+
 # -- status, health (ops) ----------------------------------------------------------------------
 
 
@@ -686,6 +750,11 @@ RUNTIME: dict[str, Command] = {
     ),
     "token": Command(
         "make an API token", _token_args, cmd_token, finds_fleet=False, redis_help=_HANDED
+    ),
+    "webhooks": Command(
+        "list webhook subscriptions and failed deliveries, or replay one",
+        _webhooks_args,
+        cmd_webhooks,
     ),
     "status": Command(
         "print the fleet: replicas, waits, prompts, audit backlog", _status_args, cmd_status
