@@ -812,6 +812,77 @@ def _fmt(config: dict[str, str]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(config.items()))
 
 
+# -- 4. one primary against a cluster of three ------------------------------------------------
+
+
+def _throughput_process(
+    conn: PipeEnd, url: str, cluster: bool, seconds: float, threads: int
+) -> None:
+    conn.send(asyncio.run(_lifecycles_for(url, cluster, seconds, threads)))
+    conn.close()
+
+
+async def _lifecycles_for(url: str, cluster: bool, seconds: float, threads: int) -> int:
+    """Lifecycles (ask, answer, wait returning) done in `seconds`, `threads` at a time."""
+    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    answer = {"content": [{"type": "text", "text": "yes"}]}
+    async with Broker.from_url(url, Settings(key_prefix=prefix), cluster=cluster) as b:
+        done = 0
+        deadline = time.monotonic() + seconds
+
+        async def one_thread(thread: str) -> None:
+            nonlocal done
+            while time.monotonic() < deadline:
+                p = await b.ask(thread, "approval", [QUESTION])
+                waiting = asyncio.create_task(b.wait(thread, p.prompt_id, timeout=STEP_TIMEOUT))
+                await asyncio.sleep(0)
+                await b.post_item(thread, answer)
+                await waiting
+                done += 1
+
+        await asyncio.gather(*(one_thread(f"{prefix}-{i}") for i in range(threads)))
+        return done
+
+
+def lifecycles_per_second(url: str, cluster: bool, processes: int, seconds: float) -> float:
+    ctx = multiprocessing.get_context("spawn")
+    pipes = []
+    for _ in range(processes):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_throughput_process, args=(child, url, cluster, seconds, 20))
+        proc.start()
+        pipes.append((parent, proc))
+    total = 0
+    for parent, proc in pipes:
+        total += parent.recv()
+        proc.join(60)
+    return total / seconds
+
+
+def bench_cluster(url: str, processes: int, seconds: float) -> None:
+    """Aggregate lifecycles/s from several client processes: one server, then three primaries."""
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.conftest import start_cluster
+
+    single = lifecycles_per_second(url, False, processes, seconds)
+    with tempfile.TemporaryDirectory() as d:
+        cluster = start_cluster(Path(d))
+        try:
+            three = lifecycles_per_second(cluster.url, True, processes, seconds)
+        finally:
+            cluster.stop()
+    print(
+        f"\n4. Lifecycles per second, {processes} client processes of 20 threads each, "
+        f"{seconds:.0f} s"
+    )
+    print(f"   one redis-server:                 {single:9,.0f} /s")
+    print(f"   a cluster of three primaries:     {three:9,.0f} /s   ({three / single:.2f}x)")
+    print(f"   on {multiprocessing.cpu_count()} CPUs shared by the clients and every server")
+
+
 # -- main --------------------------------------------------------------------------------------
 
 
@@ -877,9 +948,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--only",
-        choices=["wake", "round-trips", "memory"],
+        choices=["wake", "round-trips", "memory", "cluster"],
         action="append",
         help="run only this figure (repeatable; default: all three)",
+    )
+    parser.add_argument(
+        "--processes", type=int, default=4, help="client processes for --only cluster"
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=10.0, help="how long --only cluster drives each setup"
     )
     parser.add_argument(
         "--parked",
@@ -904,7 +981,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def run(args: argparse.Namespace, url: str) -> None:
-    only = set(args.only or ["wake", "round-trips", "memory"])
+    only = set(args.only or ["wake", "round-trips", "memory"])  # the cluster figure on request
     settle = args.settle_ms / 1000
     async with _client(url) as r:
         version = (await r.info("server"))["redis_version"]
@@ -920,6 +997,8 @@ async def run(args: argparse.Namespace, url: str) -> None:
         await bench_wake(url, args.lifecycles, settle)
     if "memory" in only:
         await bench_memory(url, args.prompts, args.batch, args.parked)
+    if "cluster" in only:
+        await asyncio.to_thread(bench_cluster, url, args.processes, args.seconds)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -402,21 +402,46 @@ async def _close(ps: PubSub) -> None:
 
 
 class ShardedBells:
-    """Stands in for the waiter's client: its `pubsub()` is a `ShardedPubSub`."""
+    """Stands in for the waiter's client: its `pubsub()` is a `ShardedPubSub`.
+
+    The slot map it routes SSUBSCRIBE by is a cluster client of its own (it sends nothing but
+    the cluster's slot queries), so refreshing it after a failure never disturbs the Broker's
+    commands: redis-py 5.x's cluster client, refreshed while commands are in flight, can hand
+    them no default node.
+    """
 
     def __init__(self, cluster: RedisCluster) -> None:
         self._cluster = cluster
+        self._map: RedisCluster | None = None
+        self.stale = True  # refresh before the first subscription, and after any failure
 
     def pubsub(self) -> ShardedPubSub:
-        return ShardedPubSub(self._cluster)
+        return ShardedPubSub(self)
+
+    async def slot_map(self) -> RedisCluster:
+        if self._map is None:
+            first = self._cluster.get_nodes()[0] if self._cluster.get_nodes() else None
+            if first is None:
+                await self._cluster.initialize()
+                first = self._cluster.get_nodes()[0]
+            auth = {k: first.connection_kwargs.get(k) for k in ("username", "password")}
+            self._map = RedisCluster(host=first.host, port=first.port, **auth)
+        if self.stale:
+            await self._map.nodes_manager.initialize()
+            self.stale = False
+        return self._map
+
+    async def aclose(self) -> None:
+        if self._map is not None:
+            await self._map.aclose()
 
 
 class ShardedPubSub:
     """SSUBSCRIBE on the primaries owning the channels; messages as the waiter knows them."""
 
-    def __init__(self, cluster: RedisCluster) -> None:
-        self._cluster = cluster
-        self._refreshed = False
+    def __init__(self, bells: ShardedBells) -> None:
+        self._bells = bells
+        self._map: RedisCluster | None = None
         self._conns: dict[str, Connection] = {}  # primary name -> its connection
         self._readers: list[asyncio.Task[None]] = []
         self._queue: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
@@ -424,17 +449,20 @@ class ShardedPubSub:
         self.connection: Connection | None = None  # set once one node's connection is made
 
     async def subscribe(self, *channels: str) -> None:
-        if not self._refreshed:
-            # A new object after a disconnect: where the slots are now, not where they were.
-            await self._cluster.nodes_manager.initialize()
-            self._refreshed = True
-        for node, names in self._by_node(channels):
-            conn = await self._connect(node)
-            self._leaving.difference_update(names)
-            await conn.send_command("SSUBSCRIBE", *names)
+        try:
+            if self._map is None:
+                self._map = await self._bells.slot_map()
+            for node, names in self._by_slot(channels):
+                conn = await self._connect(node)
+                self._leaving.difference_update(names)
+                # One command per slot: SSUBSCRIBE refuses channels of two slots (CROSSSLOT).
+                await conn.send_command("SSUBSCRIBE", *names)
+        except BaseException:
+            self._bells.stale = True
+            raise
 
     async def unsubscribe(self, *channels: str) -> None:
-        for node, names in self._by_node(channels):
+        for node, names in self._by_slot(channels):
             conn = self._conns.get(node.name)
             if conn is not None:
                 self._leaving.update(names)
@@ -466,13 +494,14 @@ class ShardedPubSub:
         self._conns.clear()
         self.connection = None
 
-    def _by_node(self, channels: Iterable[str]) -> list[tuple[ClusterNode, list[str]]]:
-        groups: dict[str, tuple[ClusterNode, list[str]]] = {}
+    def _by_slot(self, channels: Iterable[str]) -> list[tuple[ClusterNode, list[str]]]:
+        assert self._map is not None  # set by the first subscribe
+        groups: dict[int, tuple[ClusterNode, list[str]]] = {}
         for channel in channels:
-            node = self._cluster.get_node_from_key(channel)  # the slot's primary
+            node = self._map.get_node_from_key(channel)  # the slot's primary
             if node is None:
                 raise RedisConnectionError(f"no primary holds the slot of {channel}")
-            groups.setdefault(node.name, (node, []))[1].append(channel)
+            groups.setdefault(self._map.keyslot(channel), (node, []))[1].append(channel)
         return list(groups.values())
 
     async def _connect(self, node: ClusterNode) -> Connection:
@@ -496,6 +525,7 @@ class ShardedPubSub:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # an error reply (MOVED ...) or a lost connection
+            self._bells.stale = True
             self._queue.put_nowait(e)
 
     def _message(self, reply: Any) -> dict[str, Any] | None:

@@ -162,9 +162,10 @@ class Broker:
         self._scripts = Scripts(cluster=cluster)
         self._pubsub_client = pubsub
         bells = pubsub or redis
-        if isinstance(redis, RedisCluster):
+        self._sharded = ShardedBells(redis) if isinstance(redis, RedisCluster) else None
+        if self._sharded is not None:
             # Typed as Redis: the waiter only calls `pubsub()`, which this provides.
-            bells = cast(Redis, ShardedBells(redis))
+            bells = cast(Redis, self._sharded)
         self._waiter = Waiter(bells, self._read_wakes, self.settings.sweep_interval)
         self.sessions = Sessions(self)
         self._closed = False
@@ -244,6 +245,8 @@ class Broker:
                 task.cancel()
         self._closed = True
         await self._waiter.aclose()
+        if self._sharded is not None:
+            await self._sharded.aclose()
         for derived in self._derived:
             await derived.aclose(close_connection_pool=True)
         if self._owns_client:

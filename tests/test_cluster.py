@@ -225,3 +225,24 @@ async def test_the_audit_worker_on_the_cluster(redis_cluster: RedisClusterNodes)
         for t, p in zip(threads, prompts, strict=True):
             assert (await b.get_prompt(t, p.prompt_id)).audit_item_id
             assert (await b.items(t))[-1].type == "pending_prompt_resolved"
+
+
+async def test_many_threads_subscribed_at_once_hear_their_bells(
+    redis_cluster: RedisClusterNodes,
+) -> None:
+    """`listen_many` subscribes 30 threads in one call; on a primary their channels span many
+    slots, and SSUBSCRIBE takes one slot at a time: each thread still hears its bell."""
+    settings = Settings(key_prefix="c" + uuid.uuid4().hex[:8], sweep_interval=60)
+    async with Broker.from_url(redis_cluster.url, settings, cluster=True) as b:
+        heard: dict[str, list[object]] = {}
+        threads = [f"m{i}" for i in range(30)]
+        await b.listen_many(
+            {t: (lambda _ch, wake, t=t: heard.setdefault(t, []).append(wake)) for t in threads}
+        )
+        for t in threads:
+            await b.post_item(t, {"content": [{"type": "text", "text": "hello"}]})
+        deadline = asyncio.get_running_loop().time() + 10
+        while any(not any("queued" in w for w in heard.get(t, [])) for t in threads):  # type: ignore[operator]
+            assert asyncio.get_running_loop().time() < deadline, sorted(set(threads) - set(heard))
+            await asyncio.sleep(0.05)
+        assert b._waiter.reconnects == 0
