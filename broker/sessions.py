@@ -17,20 +17,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import orjson
 from pydantic import BaseModel, ConfigDict
+from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from ulid import ULID
 
 from broker._codec import body, ms_datetime
+from broker._scripts import Scripts
 from broker.errors import BadItem, BrokerUnavailable, Fenced, ThreadNotFound
-from broker.keys import check_thread_id
-
-if TYPE_CHECKING:
-    from broker.client import Broker
+from broker.keys import Keys, ThreadKeys, check_thread_id
+from broker.models import Prompt
 
 __all__ = [
     "Fleet",
@@ -203,10 +203,38 @@ def delivery_token() -> str:
     return f"dlv_{ULID()}"
 
 
+class BrokerCore(Protocol):
+    """What `Sessions` uses of the `Broker` that owns it: its connection, keys, scripts and
+    identity, and the resolution bookkeeping a delivery shares with it. Written as a protocol so
+    this module never imports the client (which holds a `Sessions`): imports flow one way."""
+
+    redis: Redis
+    keys: Keys
+    identity: str
+    _scripts: Scripts
+
+    def thread(self, thread_id: str) -> ThreadKeys: ...
+
+    def _check_open(self) -> None: ...
+
+    def _queue_resolved(self, pipe: Any, thread_id: str, prompt_id: str) -> None: ...
+
+    def _queue_audit_job(self, pipe: Any, thread_id: str, prompt_id: str) -> None: ...
+
+    async def cancel(
+        self,
+        thread_id: str,
+        reason: str = "",
+        *,
+        prompt_id: str | None = None,
+        epoch: int | None = None,
+    ) -> Prompt | None: ...
+
+
 class Sessions:
     """Session records and leases, through a Broker's connection and scripts."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: BrokerCore) -> None:
         self._b = broker
 
     async def _call(self, name: str, keys: list[str], args: list[Any]) -> list[Any]:
