@@ -249,6 +249,14 @@ async def test_sigterm_releases_every_thread_at_once(
     replica, stop, task = _replica(b)
     try:
         await until(lambda: truthy(len(replica.threads) == 100), "ra to adopt them", within=30)
+
+        async def looked_at() -> bool:
+            # adopted, then looked at: the dead holder's open waits are parked (a claim comes
+            # before its thread's first look, so SIGTERM must wait for the look to count on it)
+            sessions = [await person.sessions.get(t) for t in threads]
+            return all(s is not None and s.status == "parked" for s in sessions)
+
+        await until(looked_at, "ra to park the dead holder's waits", within=30)
         stop.set()
         await asyncio.wait_for(task, 30)
         assert await record(person, "ra") is None
