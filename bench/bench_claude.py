@@ -1,9 +1,9 @@
 """Benchmark the Claude Code harness: the real bundled CLI, a fake model on loopback, a replica.
 
-One in-process replica (`workers.replica.Replica`) with the `claude_code` harness, on a private
-`redis-server` (free port, no persistence, stopped by its pid at the end), and the scripted fake
-Messages API (`workers/fakes/anthropic.py`). Each run is a new thread whose model calls Bash once
-(`date +%s.%N > <file>`: the command records when it ran) and a "person" approves it.
+One in-process replica (`workers.runtime.replica.Replica`) with the `claude_code` harness, on a
+private `redis-server` (free port, no persistence, stopped by its pid at the end), and the scripted
+fake Messages API (`workers/demo/fakes/anthropic.py`). Each run is a new thread whose model calls
+Bash once (`date +%s.%N > <file>`: the command records when it ran) and a "person" approves it.
 
 1. request -> prompt: from the moment the fake model finished sending the tool call (wall clock,
    after `message_stop`) to the `pending_prompt` item's `created_at` (Redis server clock, ms; same
@@ -45,10 +45,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from broker import Broker, Settings  # noqa: E402
-from workers.claude import ClaudeHarness  # noqa: E402
-from workers.claude_launch import descendants  # noqa: E402
-from workers.fakes.anthropic import FakeAnthropic, Script, text, tool_use  # noqa: E402
-from workers.replica import Replica  # noqa: E402
+from workers.agents.claude import ClaudeHarness  # noqa: E402
+from workers.agents.claude_launch import descendants  # noqa: E402
+from workers.demo.fakes.anthropic import FakeAnthropic, Script, text, tool_use  # noqa: E402
+from workers.runtime.replica import Replica  # noqa: E402
 
 T = TypeVar("T")
 FAST = {"lease_ttl": 5.0, "adopt_interval": 0.05, "sweep_interval": 1.0}
@@ -101,7 +101,7 @@ def children(pid: int) -> list[int]:
 
 
 def claude_processes() -> list[int]:
-    """The CLIs below this process (each under its supervisor, `workers.claude_launch`)."""
+    """The CLIs below this process (each under its supervisor, `workers.agents.claude_launch`)."""
     found = []
     for pid in descendants(os.getpid()):
         with contextlib.suppress(OSError):
@@ -351,7 +351,7 @@ async def memory(rig: Rig, waiting: int) -> None:
     if sups:
         sup_rss = statistics.mean(m[0] for m in sups) / 1024
         sup_pss = statistics.mean(m[1] for m in sups) / 1024
-        print(f"        its supervisor (workers.claude_launch): RSS {sup_rss:.1f} MB, "
+        print(f"        its supervisor (workers.agents.claude_launch): RSS {sup_rss:.1f} MB, "
               f"PSS {sup_pss:.1f} MB ({len(sups)} running)")  # fmt: skip
     for tid in tids:
         await rig.person.post_item(tid, {"content": [{"type": "text", "text": "yes"}]})

@@ -1,9 +1,9 @@
 """Benchmark the Codex harness: the real Codex CLI against the fake Responses API, on a replica.
 
-One in-process replica (`workers.replica.Replica`) with the Codex harness runs on a private
+One in-process replica (`workers.runtime.replica.Replica`) with the Codex harness runs on a private
 `redis-server` (no persistence, a free port, stopped by its pid at the end); a "person" answers
 through a Broker. Each run is one thread whose agent (Codex, model `gpt-5.5` served by
-`workers/fakes/responses.py` on 127.0.0.1) runs `date +%s.%N > ran.txt` outside its sandbox, so
+`workers/demo/fakes/responses.py` on 127.0.0.1) runs `date +%s.%N > ran.txt` outside its sandbox, so
 Codex asks an approval. Per run:
 
 - **request -> prompt item**: from the model's tool call (the fake's reply, wall clock) to the
@@ -50,9 +50,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from broker import Broker, Item, Settings  # noqa: E402
-from workers.codex import COMMAND, PINNED_VERSION, CodexHarness, find_codex  # noqa: E402
-from workers.fakes.responses import FakeResponses  # noqa: E402
-from workers.replica import Replica  # noqa: E402
+from workers.agents.codex import COMMAND, PINNED_VERSION, CodexHarness, find_codex  # noqa: E402
+from workers.demo.fakes.responses import FakeResponses  # noqa: E402
+from workers.runtime.replica import Replica  # noqa: E402
 
 T = TypeVar("T")
 FAST: dict[str, Any] = {"lease_ttl": 2.0, "adopt_interval": 0.05, "sweep_interval": 1.0}

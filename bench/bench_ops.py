@@ -30,9 +30,9 @@ from redis.asyncio import Redis
 
 from bench.private_redis import free_port, private_redis
 from broker import Broker, Settings
-from workers import metrics
-from workers.health import probe, serve_ops
-from workers.replica import Replica
+from workers.runtime import metrics
+from workers.runtime.health import probe, serve_ops
+from workers.runtime.replica import Replica
 
 TEXT = {"content": [{"type": "text", "text": "go"}]}
 ANSWER = {"content": [{"type": "text", "text": "1"}]}
@@ -116,7 +116,7 @@ async def bench_deadlines(url: str, n: int, deadline: float) -> None:
     """`n` prompts asked over about 2 s with a deadline of `deadline` s, two expirers running
     (as two audit workers would), one of them killed midway: how late each expiry came (its
     record's resolved minus created minus the deadline, both server time), none twice, none lost."""
-    from workers.deadlines import EXPIRED, expiring
+    from workers.runtime.deadlines import EXPIRED, expiring
 
     settings = Settings(key_prefix="opsdl")
     asker = Broker(Redis.from_url(url, decode_responses=True), settings)

@@ -5,7 +5,7 @@ ask, an allow for `git status*`, denies for `rm *` and `touch *`, writes and rea
 work folder denied), beside the time tree-sitter-bash takes to parse the same string alone (a
 fresh parse, no walk). Two sets:
 
-1. the adversarial corpus of tests/test_policy_adversarial.py (about 100 short commands, each
+1. the adversarial corpus of tests/agents/test_policy_adversarial.py (about 100 short commands, each
    decided `--repeat` times; the figure is per decision);
 2. 64 KB of each pathological shape there (20 shapes, each decided `--repeat` times).
 
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tree_sitter_bash
 from tree_sitter import Language, Parser
 
-from tests.test_policy_adversarial import ALLOW_LIST, CORPUS, PATHOLOGICAL, guard
+from tests.agents.test_policy_adversarial import ALLOW_LIST, CORPUS, PATHOLOGICAL, guard
 
 PARSER = Parser(Language(tree_sitter_bash.language()))
 

@@ -1,7 +1,7 @@
 """Benchmark replica processes: adoption after SIGKILL, adopting 10,000 open prompts, footprint.
 
-Every replica here is a real process (`python -m workers.cli worker --id NAME`), started with the
-settings printed at the top; figures are printed beside their floors:
+Every replica here is a real process (`python -m workers.runtime.cli worker --id NAME`), started
+with the settings printed at the top; figures are printed beside their floors:
 
 0. an idle replica holding nothing: its CPU and redis-server's (process CPU time over a window).
 1. adoption time after SIGKILL: two replicas, a few threads whose scripted agent waits (held) on
@@ -53,8 +53,8 @@ from private_redis import free_port, private_redis
 from redis.asyncio import Redis
 
 from broker import Broker, Keys, Settings
-from workers.harness import approval_question
-from workers.replica import ADOPT_PAGE
+from workers.agents.harness import approval_question
+from workers.runtime.replica import ADOPT_PAGE
 
 T = TypeVar("T")
 
@@ -121,7 +121,7 @@ def load_average() -> str:
 
 
 class ReplicaProcess:
-    """One `python -m workers.cli worker --id NAME` process, stopped by its own pid."""
+    """One `python -m workers.runtime.cli worker --id NAME` process, stopped by its own pid."""
 
     def __init__(self, name: str, settings: Settings, log_dir: Path) -> None:
         self.name = name
@@ -132,7 +132,7 @@ class ReplicaProcess:
             env[f"PROMPT_BROKER_{key.upper()}"] = text
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "workers.cli", "worker", "--id", name],
+                [sys.executable, "-m", "workers.runtime.cli", "worker", "--id", name],
                 env=env,
                 cwd=ROOT,
                 stdout=out,

@@ -66,7 +66,7 @@ async def serve(url: str, prefix: str, folder: Path) -> AsyncIterator[tuple[str,
         "PROMPT_BROKER_KEY_PREFIX": prefix,
         "PROMPT_BROKER_API_HEARTBEAT": "30",
     }
-    argv = ["-m", "workers.cli", "serve", "--port", str(port), "--tokens", str(tokens)]
+    argv = ["-m", "workers.runtime.cli", "serve", "--port", str(port), "--tokens", str(tokens)]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, *argv, env=env, stderr=asyncio.subprocess.DEVNULL
     )

@@ -57,44 +57,44 @@ MODULES: dict[str, str] = {
     "client": "broker/client.py",
     "waiter": "broker/_waiter.py",
     "sessions": "broker/sessions.py",
-    "replica": "workers/replica.py",
-    "grants": "workers/grants.py",
-    "audit": "workers/audit.py",
-    "policy": "workers/policy.py",
+    "replica": "workers/runtime/replica.py",
+    "grants": "workers/agents/grants.py",
+    "audit": "workers/runtime/audit.py",
+    "policy": "workers/agents/policy.py",
 }
 
 #: The crash tests of test_delivery_once.py kill real processes (about a minute in all); the
 #: direct script calls around them catch the same guards in seconds.
 _NO_CRASH = "not sigkill and not sigstop and not outage"
-_ONCE = ["tests/test_delivery_once.py", "-k", _NO_CRASH]
+_ONCE = ["tests/runtime/test_delivery_once.py", "-k", _NO_CRASH]
 _GUARDS = ["tests/test_guards_*.py"]
 
 #: The tests that matter for each module: pytest arguments, run in this order with `-x`.
 TESTS: dict[str, list[list[str]]] = {
-    "lib.lua": [_GUARDS, _ONCE, ["tests/test_broker.py"], ["tests/test_replica.py"]],
+    "lib.lua": [_GUARDS, _ONCE, ["tests/broker/test_broker.py"], ["tests/runtime/test_replica.py"]],
     "resume.lua": [_GUARDS, _ONCE],
     "deliver.lua": [_GUARDS, _ONCE],
-    "grant.lua": [_GUARDS, _ONCE, ["tests/test_grants.py"]],
+    "grant.lua": [_GUARDS, _ONCE, ["tests/agents/test_grants.py"]],
     "interrupt.lua": [_GUARDS, _ONCE],
-    "release.lua": [_GUARDS, ["tests/test_replica.py"]],
-    "claim.lua": [_GUARDS, ["tests/test_replica.py"]],
-    "audit.lua": [_GUARDS, ["tests/test_audit.py"], ["tests/test_broker.py"]],
-    "update.lua": [_GUARDS, ["tests/test_replica.py"]],
-    "close.lua": [_GUARDS, ["tests/test_replica.py"]],
-    "create.lua": [_GUARDS, ["tests/test_replica.py"]],
-    "cancel.lua": [_GUARDS, ["tests/test_broker.py"], ["tests/test_replica.py"]],
-    "ask.lua": [_GUARDS, ["tests/test_broker.py"], ["tests/test_replica.py"]],
-    "client": [_GUARDS, ["tests/test_broker.py"], ["tests/test_audit.py"]],
-    "waiter": [_GUARDS, ["tests/test_waiter.py"], ["tests/test_broker.py"]],
-    "sessions": [_GUARDS, _ONCE, ["tests/test_replica.py"]],
-    "replica": [_GUARDS, _ONCE, ["tests/test_replica.py"]],
-    "grants": [_GUARDS, ["tests/test_grants.py"]],
-    "audit": [_GUARDS, ["tests/test_audit.py"]],
+    "release.lua": [_GUARDS, ["tests/runtime/test_replica.py"]],
+    "claim.lua": [_GUARDS, ["tests/runtime/test_replica.py"]],
+    "audit.lua": [_GUARDS, ["tests/runtime/test_audit.py"], ["tests/broker/test_broker.py"]],
+    "update.lua": [_GUARDS, ["tests/runtime/test_replica.py"]],
+    "close.lua": [_GUARDS, ["tests/runtime/test_replica.py"]],
+    "create.lua": [_GUARDS, ["tests/runtime/test_replica.py"]],
+    "cancel.lua": [_GUARDS, ["tests/broker/test_broker.py"], ["tests/runtime/test_replica.py"]],
+    "ask.lua": [_GUARDS, ["tests/broker/test_broker.py"], ["tests/runtime/test_replica.py"]],
+    "client": [_GUARDS, ["tests/broker/test_broker.py"], ["tests/runtime/test_audit.py"]],
+    "waiter": [_GUARDS, ["tests/broker/test_waiter.py"], ["tests/broker/test_broker.py"]],
+    "sessions": [_GUARDS, _ONCE, ["tests/runtime/test_replica.py"]],
+    "replica": [_GUARDS, _ONCE, ["tests/runtime/test_replica.py"]],
+    "grants": [_GUARDS, ["tests/agents/test_grants.py"]],
+    "audit": [_GUARDS, ["tests/runtime/test_audit.py"]],
     "policy": [
         _GUARDS,
-        ["tests/test_policy.py"],
-        ["tests/test_policy_adversarial.py"],
-        ["tests/test_guarded.py"],
+        ["tests/agents/test_policy.py"],
+        ["tests/agents/test_policy_adversarial.py"],
+        ["tests/agents/test_guarded.py"],
     ],
 }
 
@@ -664,7 +664,7 @@ CATALOGUE: list[Mutant] = [
         "if False:\n            raise ThreadNotFound(thread_id)",
         "closing a thread with no session says nothing",
     ),
-    # -- workers/audit.py ---------------------------------------------------------------------
+    # -- workers/runtime/audit.py ------------------------------------------------------------------
     M(
         "rebuild.undelivered",
         "audit",
@@ -686,7 +686,7 @@ CATALOGUE: list[Mutant] = [
         '    if state == "answered":\n        fix.open_add',
         "rebuild_indexes does not list pending prompts as open",
     ),
-    # -- workers/grants.py --------------------------------------------------------------------
+    # -- workers/agents/grants.py ------------------------------------------------------------------
     M(
         "grants.tool",
         "grants",
@@ -715,7 +715,7 @@ CATALOGUE: list[Mutant] = [
         "resolved.startswith(root.rstrip(os.sep))",
         "a sibling folder sharing the work folder's prefix counts as inside",
     ),
-    # -- workers/replica.py -------------------------------------------------------------------
+    # -- workers/runtime/replica.py ----------------------------------------------------------------
     M(
         "replica.resume_already",
         "replica",
@@ -738,7 +738,7 @@ CATALOGUE: list[Mutant] = [
         "",
         "a grant is spent on a call it does not cover",
     ),
-    # -- workers/policy.py --------------------------------------------------------------------
+    # -- workers/agents/policy.py ------------------------------------------------------------------
     M(
         "policy.later_deny",
         "policy",

@@ -70,15 +70,16 @@ _GEN = "tests/test_guards_generated.py"
 TARGETS: dict[str, Target] = {
     "answers": Target(
         "broker/answers.py",
-        (_GEN, "tests/test_answers.py", "tests/test_mapping_parity.py"),
+        (_GEN, "tests/broker/test_answers.py", "tests/broker/test_mapping_parity.py"),
         timeout=60,
     ),
     "grants": Target(
-        "workers/grants.py", (_GEN, "tests/test_grants.py", "tests/test_guards_python.py")
+        "workers/agents/grants.py",
+        (_GEN, "tests/agents/test_grants.py", "tests/test_guards_python.py"),
     ),
     "audit": Target(
-        "workers/audit.py",
-        (_GEN, "tests/test_audit.py", "tests/test_guards_python.py"),
+        "workers/runtime/audit.py",
+        (_GEN, "tests/runtime/test_audit.py", "tests/test_guards_python.py"),
         # The reconciler's decisions; startup, serve and the arq wiring are plumbing that
         # test_audit.py starts as a whole and a mutant there is a crash, not a wrong decision.
         functions=(
@@ -93,8 +94,13 @@ TARGETS: dict[str, Target] = {
         timeout=60,
     ),
     "policy": Target(
-        "workers/policy.py",
-        (_GEN, "tests/test_policy.py", "tests/test_guarded.py", "tests/test_policy_adversarial.py"),
+        "workers/agents/policy.py",
+        (
+            _GEN,
+            "tests/agents/test_policy.py",
+            "tests/agents/test_guarded.py",
+            "tests/agents/test_policy_adversarial.py",
+        ),
         # The decision functions: which rule applies and what the verdict is. The shell
         # analysis above them (analyse and its helpers) is its own large body, out of scope.
         functions=(

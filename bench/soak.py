@@ -2,7 +2,7 @@
 
 What runs, all on a private redis-server (AOF on, fsynced on every write) started here:
 
-- a fleet of real replica processes (`python -m workers.cli worker --id NAME`), most holding
+- a fleet of real replica processes (`python -m workers.runtime.cli worker --id NAME`), most holding
   waits in place (`wait_mode=held`, a small held-wait cap so the oldest are parked) and some
   parking every prompt (`wait_mode=parked`), plus the audit worker (`... audit`);
 - `--threads` threads of the scripted agent, each sent one job after another. A job asks an
@@ -56,7 +56,7 @@ from redis.exceptions import RedisError
 
 from broker import Broker, BrokerError, BrokerUnavailable, Item, Prompt, Settings, StaleAnswer
 from broker._codec import item_from_entry
-from workers.grants import approves
+from workers.agents.grants import approves
 
 ROOT = Path(__file__).resolve().parent.parent
 LABELS = ["Alpha", "Beta", "Gamma", "Delta"]
@@ -151,7 +151,8 @@ def structured_answer(rng: random.Random, prompt: Prompt) -> list[dict[str, Any]
 
 
 def rendered(prompt: Prompt) -> str:
-    """What the scripted agent says for an answered question prompt (see workers.scripted)."""
+    """What the scripted agent says for an answered question prompt (see
+    workers.agents.scripted)."""
     lines = []
     answers = prompt.answers or []
     for i, q in enumerate(prompt.questions):
@@ -314,9 +315,9 @@ class Soak:
             mode = "held" if i < held else "parked"
             name = f"{mode}-{i + 1}"
             env = env_for(self.settings.model_copy(update={"wait_mode": mode}), self.args.tree)
-            argv = [py, "-m", "workers.cli", "worker", "--id", name]
+            argv = [py, "-m", "workers.runtime.cli", "worker", "--id", name]
             self.procs.append(Proc(name, argv, env, self.folder / "logs" / f"{name}.log"))
-        audit_argv = [py, "-m", "workers.cli", "audit"]
+        audit_argv = [py, "-m", "workers.runtime.cli", "audit"]
         log = self.folder / "logs" / "audit.log"
         self.procs.append(Proc("audit", audit_argv, env_for(self.settings, self.args.tree), log))
         for p in self.procs:
@@ -796,7 +797,7 @@ class Soak:
         a = Attempt(t.thread_id, "cli", "cli", prompt.prompt_id)
         self.attempts.append(a)
         words = text_answer(t.rng, prompt)
-        argv = [sys.executable, "-m", "workers.cli", "answer", t.thread_id, words]
+        argv = [sys.executable, "-m", "workers.runtime.cli", "answer", t.thread_id, words]
         argv += ["--prompt", prompt.prompt_id, "--json"]
         async with self.cli:
             proc = await asyncio.create_subprocess_exec(
@@ -1078,7 +1079,7 @@ class Checker:
 
     def logs(self) -> None:
         """The bad lines, and each hand-over of an answer: a held wait's first delivery record
-        or a resume turn (the same events tests/test_crash.py counts)."""
+        or a resume turn (the same events tests/runtime/test_crash.py counts)."""
         handed: Counter[str] = Counter()
         for path in sorted((self.soak.folder / "logs").glob("*.log")):
             for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):

@@ -825,7 +825,8 @@ def _not_text(argv: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None, commands: dict[str, Command] | None = None) -> int:
     """Run the command line; returns the exit status (argparse exits 2 on a usage error).
 
-    `commands` replaces `COMMANDS`: the runtime (`workers.cli`) adds its own to the library's.
+    `commands` replaces `COMMANDS`: the runtime (`workers.runtime.cli`) adds its own to the
+    library's.
     """
     commands = COMMANDS if commands is None else commands
     problem = _not_text(sys.argv[1:] if argv is None else argv)

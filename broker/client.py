@@ -50,7 +50,7 @@ __all__ = ["AUDIT_JOB", "LIMITS", "Broker"]
 
 logger = logging.getLogger("broker")
 
-#: The arq function that posts a prompt's `pending_prompt_resolved` item (workers/audit.py).
+#: The arq function that posts a prompt's `pending_prompt_resolved` item (workers/runtime/audit.py).
 AUDIT_JOB = "post_resolution"
 
 #: Documented input limits: past them a call raises `BadItem` and writes nothing.
@@ -774,7 +774,7 @@ class Broker:
 
     async def append_agent_data(self, thread_id: str, name: str, elements: Sequence[bytes]) -> int:
         """Append `elements` to a harness's list `agent:<name>` on the thread (agent.lua): the
-        name is registered so a closed thread's expiry reaches it (workers/agent_store.py).
+        name is registered so a closed thread's expiry reaches it (workers/runtime/agent_store.py).
         Returns the list's length."""
         self._check_open()
         tk = self.thread(thread_id)

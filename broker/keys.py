@@ -17,7 +17,7 @@ With the default prefix `pp`:
   the prompt its agent awaits, `delivered`: the prompt whose answer its running turn was handed,
   `grant`, `interrupted`: a cut-off turn, for the next turn to tell, ...).
 - `pp:{T}:agent:<name>` (list): a harness's own session data (e.g. Claude Code transcripts),
-  zlib-compressed batches (workers/agent_store.py); `pp:{T}:agents` (set) names them.
+  zlib-compressed batches (workers/runtime/agent_store.py); `pp:{T}:agents` (set) names them.
 - `pp:{T}:prompts` (sorted set): audited prompts whose stream entry was trimmed while their
   record remains, and `pp:{T}:idems` (sorted set): the thread's idempotency records
   (`pp:{T}:idem:<hash>`). With the `pending_prompt` entries still in the stream they let a

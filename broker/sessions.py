@@ -89,7 +89,8 @@ class Session(BaseModel):
     grant: Grant | None = None
     grant_raw: str | None = None  # the grant exactly as stored: spending compares it
     error: str | None = None
-    policy: dict[str, Any] | None = None  # guarded only: as given (`workers.policy` checks it)
+    # guarded only: as given (`workers.agents.policy` checks it)
+    policy: dict[str, Any] | None = None
     delivered: str | None = None  # the prompt whose answer the running turn was handed, if any
     interrupted: dict[str, Any] | None = None  # the last turn was cut off: for the next to tell
     holder_incarnation: str = ""  # the incarnation of `owner` that claimed it
@@ -259,7 +260,7 @@ class Sessions:
         """Create a thread's session, unowned: the next adoption sweep gives it a replica.
 
         `guarded` permissions need a `policy` block, and only they take one. Its content is
-        the runtime's to check (`workers.policy.validate`, before this), not the library's.
+        the runtime's to check (`workers.agents.policy.validate`, before this), not the library's.
         """
         check_thread_id(thread_id)
         if permissions not in PERMISSIONS:

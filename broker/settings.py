@@ -98,7 +98,7 @@ class Settings(BaseModel):
     @field_validator("policy_rules", mode="before")
     @classmethod
     def _json_list(cls, value: Any) -> Any:
-        # From the environment it is JSON text; its rules are checked by `workers.policy`.
+        # From the environment it is JSON text; its rules are checked by `workers.agents.policy`.
         if isinstance(value, str | bytes):
             try:
                 return orjson.loads(value or "[]")

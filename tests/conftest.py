@@ -191,7 +191,7 @@ def start_cluster(root: Path) -> RedisClusterNodes:
 
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[RedisClusterNodes]:
-    """A private Redis Cluster for the session's cluster tests (tests/test_cluster*.py)."""
+    """A private Redis Cluster for the session's cluster tests (tests/broker/test_cluster*.py)."""
     with tempfile.TemporaryDirectory() as d:
         cluster = start_cluster(Path(d))
         try:
@@ -312,8 +312,9 @@ async def broker(make_broker: BrokerFactory) -> Broker:
 
 @pytest.fixture
 async def fleet(make_broker: BrokerFactory) -> AsyncIterator[Any]:
-    """In-process replicas for this test (`tests.test_replica.Fleet`), all stopped after it."""
-    from tests.test_replica import Fleet
+    """In-process replicas for this test (`tests.runtime.test_replica.Fleet`), all stopped after
+    it."""
+    from tests.runtime.test_replica import Fleet
 
     f = Fleet(make_broker)
     try:
@@ -325,6 +326,6 @@ async def fleet(make_broker: BrokerFactory) -> AsyncIterator[Any]:
 @pytest.fixture
 async def person(make_broker: BrokerFactory) -> Broker:
     """The test's own Broker: creates threads, answers as a person, inspects records."""
-    from tests.test_replica import FAST
+    from tests.runtime.test_replica import FAST
 
     return await make_broker(**FAST)

@@ -24,7 +24,7 @@ from broker import Settings
 from broker.cli import COMMANDS
 from broker.events import event_key
 from broker.keys import Keys
-from workers.cli import RUNTIME
+from workers.runtime.cli import RUNTIME
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -174,8 +174,9 @@ def test_operations_names_only_log_events_that_exist() -> None:
 
 
 def test_operations_lists_every_metric() -> None:
-    """Every Prometheus metric `workers/metrics.py` defines is named in docs/operations.md."""
-    source = (ROOT / "workers" / "metrics.py").read_text()
+    """Every Prometheus metric `workers/runtime/metrics.py` defines is named in
+    docs/operations.md."""
+    source = (ROOT / "workers" / "runtime" / "metrics.py").read_text()
     names = re.findall(r"(?:Gauge|Counter|Histogram)\(\s*\"(prompt_broker_\w+)\"", source)
     assert len(names) >= 10
     missing = [n for n in names if f"`{n}`" not in OPERATIONS]
@@ -187,7 +188,9 @@ def test_operations_names_only_tests_that_exist() -> None:
     named = re.findall(r"`(test_\w+\.py)::(test_\w+)`", OPERATIONS)
     assert len(named) >= 10
     for module, test in named:
-        source = (ROOT / "tests" / module).read_text()
+        found = sorted((ROOT / "tests").rglob(module))  # tests mirror the packages' layout
+        assert found, f"{module} is not a test file"
+        source = found[0].read_text()
         assert re.search(rf"^(async )?def {test}\(", source, re.M), f"{module}::{test}"
 
 

@@ -18,8 +18,9 @@ from broker import Broker
 from broker.answers import MAX_DIGITS, map_text, prepare
 from broker.models import Answer, Kind, Option, Prompt, Question
 from tests.conftest import BrokerFactory
-from workers import audit, grants, policy
-from workers.harness import GateVerdict
+from workers.agents import grants, policy
+from workers.agents.harness import GateVerdict
+from workers.runtime import audit
 
 
 def _q(text: str, *labels: str, multi: bool = False) -> Question:
@@ -57,7 +58,7 @@ def test_multi_select_number_beats_a_label_spelled_as_that_number() -> None:
     assert map_text("ask_user_question", [question], "2, 1")[0].answer == ["1", "2"]
 
 
-# -- workers/grants.py -----------------------------------------------------------------------
+# -- workers/agents/grants.py ----------------------------------------------------------------------
 
 SESSION = "Approve for this session"
 
@@ -131,7 +132,7 @@ def test_resume_text_of_a_question_with_a_subject_is_not_an_approval() -> None:
     assert text == "The person answered:\n- Pick?: Approve"
 
 
-# -- workers/audit.py ------------------------------------------------------------------------
+# -- workers/runtime/audit.py ----------------------------------------------------------------------
 
 
 async def test_reconcile_rebuilds_on_the_first_run_then_every_full_sweep(broker: Broker) -> None:
@@ -216,7 +217,7 @@ async def test_rebuild_scans_only_this_prefixs_prompt_records(broker: Broker) ->
     assert counts["open"] == 20
 
 
-# -- workers/policy.py -----------------------------------------------------------------------
+# -- workers/agents/policy.py ----------------------------------------------------------------------
 
 
 def test_classify_keeps_only_a_non_empty_string_command() -> None:

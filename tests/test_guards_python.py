@@ -10,16 +10,16 @@ from typing import cast
 import pytest
 
 from broker import Broker, Fenced, Item
+from tests.agents.test_policy import bash, guard, rule
+from tests.broker.test_waiter import NEVER
 from tests.conftest import BrokerFactory
 from tests.helpers import text, truthy, until
-from tests.test_crash import INTERRUPTED
-from tests.test_delivery_once import EPOCH, Thread, asked
-from tests.test_policy import bash, guard, rule
-from tests.test_replica import ASK, Fleet, active, start_thread
-from tests.test_waiter import NEVER
-from workers import audit
-from workers.harness import approval_question
-from workers.replica import Replica, _Handle, _Slot, _Thread
+from tests.runtime.test_crash import INTERRUPTED
+from tests.runtime.test_delivery_once import EPOCH, Thread, asked
+from tests.runtime.test_replica import ASK, Fleet, active, start_thread
+from workers.agents.harness import approval_question
+from workers.runtime import audit
+from workers.runtime.replica import Replica, _Handle, _Slot, _Thread
 
 APPROVAL = {"question": "Run `make`?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
 
@@ -59,7 +59,7 @@ async def test_rebuild_indexes_only_what_may_be_audited(broker: Broker) -> None:
     )
 
 
-# -- workers/replica.py: a parked answer handed over before is never handed over again ---------
+# -- workers/runtime/replica.py: a parked answer handed over before is never handed over again -----
 
 
 async def test_a_parked_answer_already_handed_over_is_told_not_resumed(
@@ -88,7 +88,7 @@ async def test_a_parked_answer_already_handed_over_is_told_not_resumed(
     assert [t.resume for t in fleet.turns_of("t1")] == [None]
 
 
-# -- workers/policy.py: an allow rule that cannot prove a command yields to a later deny -------
+# -- workers/agents/policy.py: an allow rule that cannot prove a command yields to a later deny ----
 
 
 def test_an_unproven_allow_yields_to_a_later_deny() -> None:
@@ -159,7 +159,7 @@ async def test_a_grant_replaced_after_the_read_is_not_reported_spent(th: Thread)
     assert await th.items("approval_granted") == 0
 
 
-# -- workers/replica.py: a grant is spent only on a call to its own tool -----------------------
+# -- workers/runtime/replica.py: a grant is spent only on a call to its own tool -------------------
 
 
 async def test_a_keyless_grant_is_spent_only_on_its_own_subject(th: Thread) -> None:

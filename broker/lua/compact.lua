@@ -2,7 +2,7 @@
 --
 -- KEYS[1] the agent list
 -- ARGV[1] the list's length when they were read   ARGV[2] how many (the last ones) to replace
--- ARGV[3] the batch (workers/agent_store.py)   ARGV[4] the first of those elements, as read
+-- ARGV[3] the batch (workers/runtime/agent_store.py)   ARGV[4] the first of those elements, as read
 --
 -- Returns 1 when replaced, 0 when the list changed since it was read (appended to, or
 -- compacted by another call): then nothing is written and the elements stay as they are.

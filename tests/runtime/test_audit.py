@@ -1,0 +1,189 @@
+"""The audit path: `pending_prompt_resolved` lands once, after delivery, and never uninvited."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import arq.worker
+import pytest
+from arq.connections import ArqRedis
+from redis.exceptions import WatchError
+
+from broker import Broker, PromptCancelled, Settings
+from tests.conftest import BrokerFactory, ClientFactory, delete_prefix
+from tests.helpers import text, until
+from workers.runtime import audit
+
+APPROVAL = {"question": "Run `rm -rf build`?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
+
+
+def resolutions(items: list[Any], prompt_id: str) -> list[Any]:
+    return [
+        i
+        for i in items
+        if i.type == "pending_prompt_resolved" and i.metadata["prompt"]["prompt_id"] == prompt_id
+    ]
+
+
+RunWorker = Callable[[Broker], Awaitable[None]]
+
+
+@pytest.fixture
+def run_worker(make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch) -> RunWorker:
+    """Run the arq audit worker on this test's server until its queue is empty."""
+    # arq logs the server's INFO at start; fakeredis has no INFO. Logging only.
+    monkeypatch.setattr(arq.worker, "log_redis_info", _no_info)
+
+    async def run(broker: Broker) -> None:
+        kwargs = audit.worker_settings(broker.settings) | {"handle_signals": False}
+        del kwargs["redis_settings"], kwargs["on_startup"], kwargs["on_shutdown"]
+        pool = ArqRedis(connection_pool=make_client(decode_responses=False).connection_pool)
+        worker = audit.AuditWorker(**kwargs, redis_pool=pool, burst=True)
+        worker.ctx["broker"] = broker  # the job uses this test's broker
+        try:
+            await asyncio.wait_for(worker.async_run(), 30)
+        finally:
+            await worker.close()
+
+    return run
+
+
+async def _no_info(*_: object) -> None:
+    return None
+
+
+async def test_answer_audited_once_after_delivery(broker: Broker, run_worker: RunWorker) -> None:
+    """A delivered answer's resolution lands once, with the answers the agent was given."""
+    p = await broker.ask("t", "approval", [APPROVAL])
+    await broker.post_item("t", text("yes"))
+    answers = await broker.wait("t", p.prompt_id, timeout=5)
+    await broker.settle()
+    await run_worker(broker)
+    [res] = resolutions(await broker.items("t"), p.prompt_id)
+    assert res.metadata["prompt"] == {
+        "prompt_id": p.prompt_id,
+        "kind": "approval",
+        "prompt_state": "answered",
+        "answers": [a.model_dump() for a in answers],
+    }
+    assert res.text == "✓ Answered: Approve"
+    assert res.author == broker.identity
+    assert await broker.redis.zcard(broker.keys.audit) == 0
+
+
+async def test_undelivered_answer_never_posted(broker: Broker, run_worker: RunWorker) -> None:
+    """An answer no waiter received is not audited, by the job or by reconcile."""
+    p = await broker.ask("t", "approval", [APPROVAL])
+    await broker.post_item("t", text("no"))
+    assert await broker.post_resolution("t", p.prompt_id) is None
+    await broker.enqueue_audit("t", p.prompt_id)
+    await audit.reconcile({"broker": broker})
+    await run_worker(broker)
+    assert resolutions(await broker.items("t"), p.prompt_id) == []
+    assert (await broker.get_prompt("t", p.prompt_id)).audit_item_id is None
+
+
+async def test_cancel_audited_with_reason(broker: Broker, run_worker: RunWorker) -> None:
+    """A cancelled prompt's resolution carries the reason and no answers."""
+    p = await broker.ask("t", "text", [{"question": "Name?"}])
+    await broker.cancel("t", "the run ended")
+    await run_worker(broker)
+    [res] = resolutions(await broker.items("t"), p.prompt_id)
+    assert res.metadata["prompt"] == {
+        "prompt_id": p.prompt_id,
+        "kind": "text",
+        "prompt_state": "cancelled",
+        "reason": "the run ended",
+    }
+    assert res.text == "✗ Cancelled: the run ended"
+
+
+async def test_racing_posters_post_one_resolution(make_broker: BrokerFactory) -> None:
+    """Ten brokers posting the same resolution at once produce exactly one item."""
+    brokers = [await make_broker() for _ in range(10)]
+    p = await brokers[0].ask("t", "approval", [APPROVAL])
+    await brokers[1].post_item("t", text("ok"))
+    await brokers[0].wait("t", p.prompt_id, timeout=5)
+    await brokers[0].settle()
+    ids = await asyncio.gather(*(b.post_resolution("t", p.prompt_id) for b in brokers))
+    assert len(set(ids)) == 1 and ids[0] is not None
+    assert len(resolutions(await brokers[0].items("t"), p.prompt_id)) == 1
+
+
+async def test_superseded_prompt_audited(broker: Broker, run_worker: RunWorker) -> None:
+    """A superseded prompt gets a cancelled resolution with reason `superseded`."""
+    p1 = await broker.ask("t", "approval", [APPROVAL])
+    await broker.ask("t", "approval", [APPROVAL])
+    with pytest.raises(PromptCancelled):
+        await broker.wait("t", p1.prompt_id, timeout=5)
+    await run_worker(broker)
+    [res] = resolutions(await broker.items("t"), p1.prompt_id)
+    assert res.metadata["prompt"]["reason"] == "superseded"
+
+
+async def test_rebuild_restores_lost_indexes(broker: Broker, run_worker: RunWorker) -> None:
+    """The sweep rebuilds `open` and `audit` from the prompt records alone."""
+    open_p = await broker.ask("a", "approval", [APPROVAL])
+    gone = await broker.ask("b", "approval", [APPROVAL])
+    await broker.cancel("b", "stop")
+    await broker.redis.delete(broker.keys.open, broker.keys.audit)
+    counts = await audit.rebuild_indexes(broker)
+    assert counts["scanned"] == 2
+    assert [p.prompt_id for p in await broker.open_prompts()] == [open_p.prompt_id]
+    assert await broker.redis.zrange(broker.keys.audit, 0, -1) == [f"b/{gone.prompt_id}"]
+    await audit.reconcile({"broker": broker, "runs": 1})
+    await run_worker(broker)
+    assert len(resolutions(await broker.items("b"), gone.prompt_id)) == 1
+
+
+async def test_rebuild_drops_index_entries_with_no_record(broker: Broker) -> None:
+    """Members of `open` and `audit` whose prompt record is gone are dropped; the rest stay."""
+    kept = await broker.ask("a", "approval", [APPROVAL])
+    ghost = "a/prm_01M8RJEMZ5NYSK2HZD2KRBPC1M"
+    await broker.redis.zadd(broker.keys.open, {ghost: 1})
+    await broker.redis.zadd(broker.keys.audit, {ghost: 1, "z/prm_01M8RJEV25K476KJ4FB2CMSEME": 2})
+    counts = await audit.rebuild_indexes(broker)
+    assert counts["orphans"] == 3
+    assert await broker.redis.zrange(broker.keys.open, 0, -1) == [f"a/{kept.prompt_id}"]
+    assert await broker.redis.zrange(broker.keys.audit, 0, -1) == []
+
+
+@pytest.mark.real_redis
+async def test_serve_rides_out_a_watch_error(
+    real_redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection lost under arq's WATCH stops its worker with a WatchError: `serve` takes it as
+    a disconnect and starts another worker, which posts the resolution."""
+    runs: list[int] = []
+    run = audit.AuditWorker.async_run
+
+    async def lose_the_watch_once(self: audit.AuditWorker) -> None:
+        runs.append(1)
+        if len(runs) == 1:
+            raise WatchError("A ConnectionError occurred on while watching one or more keys")
+        await run(self)
+
+    monkeypatch.setattr(audit.AuditWorker, "async_run", lose_the_watch_once)
+    settings = Settings(redis_url=real_redis_url, key_prefix=prefix)
+    broker = Broker.from_url(real_redis_url, settings)
+    serving = asyncio.create_task(audit.serve(settings))
+    try:
+        p = await broker.ask("t", "approval", [APPROVAL])
+        await broker.post_item("t", text("yes"))
+        await broker.wait("t", p.prompt_id, timeout=5)
+        await broker.settle()
+
+        async def posted() -> bool:
+            return bool(resolutions(await broker.items("t"), p.prompt_id))
+
+        await until(posted, "the resolution, posted by the second worker", 20)
+        assert len(runs) == 2 and not serving.done()
+    finally:
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+        await delete_prefix(broker.redis, prefix)
+        await broker.aclose()

@@ -1,0 +1,1532 @@
+"""The Codex harness: the real Codex CLI (`codex app-server`, pinned 0.171.0) behind the agent
+interface (`workers.agents.harness`).
+
+Each turn spawns `codex app-server` (JSON-RPC over stdio: one JSON object per line, no
+`"jsonrpc"` field) with its own, fresh `CODEX_HOME`, whose `config.toml` points at the model
+provider from the thread's config. The Codex thread lives on between turns, on any replica: its
+id is the harness `state`, and its rollout (Codex's own JSONL transcript) is kept in Redis through
+`Turn.store`, written back into the next turn's `CODEX_HOME` and continued with `thread/resume`.
+
+Config
+------
+The thread's harness config (every key optional; anything else is refused with `BadItem`):
+
+- `model`: the model slug (a catalogue slug such as `gpt-5.5` gets Codex's `apply_patch` tool).
+- `base_url`: a Responses API endpoint (`http(s)://.../v1`); with it Codex uses this provider
+  (`wire_api = "responses"`), else Codex's default provider.
+- `api_key`, or `api_key_env` (the name of an environment variable of the replica holding it):
+  the provider's key, handed to Codex in its environment, never written to disk.
+- `approval_policy`: `on-request` (default) or `untrusted`, under `approval` permissions;
+  `guarded` always runs `untrusted` (Codex then asks for every command and file change, so the
+  worker's deny rules see every call; under `on-request` its sandbox runs what it allows
+  unasked), and `autonomous` always runs `never`.
+- `sandbox`: `read-only`, `workspace-write` (default) or `danger-full-access`; `autonomous`
+  always runs `danger-full-access`.
+
+What Codex asks, and what it is told
+------------------------------------
+Server requests become prompts through `turn.handle.ask`, one at a time:
+
+- `item/commandExecution/requestApproval`, `item/fileChange/requestApproval` and
+  `item/permissions/requestApproval` ask an `approval` (subject: the method; grant key
+  `<method>:<command>` for commands only). Options: `Approve`, `Deny`, and `Approve for this
+  session` where the request offers a session-wide approval. Replies use Codex's vocabulary:
+  `accept` / `acceptForSession` for an approval; `decline` for a person's denial only where the
+  request offers it (its `availableDecisions`; Codex 0.171.0 offers none for commands, so a
+  denied command gets `cancel`); `cancel` otherwise: a policy `deny`, and whenever nobody
+  refused (the prompt was cancelled, could not be delivered, or parked). A permissions request
+  is answered `{permissions, scope}`: the requested profile with scope `turn` or `session`, or
+  an empty profile (and its turn interrupted).
+- `item/tool/requestUserInput` asks an `ask_user_question` (one question per Codex question; free
+  text is always accepted, as Codex offers "Other"), answered `{answers: {<id>: {answers:
+  [...]}}}`. Its reply has no refusal, so when nobody answered, the turn is interrupted first.
+- Any other server request is answered at once: a refusal in its own vocabulary where it has one
+  (`cancel`, `abort`, a failed dynamic tool call), else a JSON-RPC error. Never silence.
+
+`cancel` makes Codex write "aborted by user" as the call's output and "The user interrupted the
+previous turn on purpose" after it, neither true. The transcript is rewritten as it is stored
+(see `_sync`): the model reads our words there instead (`Approval unavailable: ...`, `Denied by
+policy rule ...`, `The person denied ...`, `Approval pending: ...`). Except when parked, a
+follow-up turn starts at once with the same words as its input, so the model's very next
+request carries them (Codex's `turn/steer` cannot: a cancelled turn is over, and `decline`
+would show the model "rejected by user" in that same request).
+
+Every call is recorded as it goes (`workers.agents.codex_transcript`: its approval request, our
+reply before it is sent, its result and the transcript up to its output the moment Codex reports
+it), so after a crash `describe_interruption` says "ran, exit code N" or "was interrupted; it may or
+may not have taken effect", and the next turn (`Turn.interrupted`) resumes a transcript that
+ends in that truth rather than in Codex's "aborted".
+
+Under `guarded` permissions `turn.gate("codex", method, params)` decides first: `allow`
+approves, `deny` refuses (as above), `ask` asks a person. Agent messages are posted with
+`turn.emit`.
+
+Parking: when `handle.ask` raises `PromptParked`, the harness answers `cancel` (or interrupts),
+lets the turn end, and returns `parked` with the Codex thread in `state` (also stored with the
+prompt, so a replica that dies while Codex waits loses nothing). The answer starts a resume turn,
+possibly elsewhere: the same Codex thread is resumed with the resume text, the agent retries, and
+the replica's one-shot grant answers the retried approval.
+
+The binary is `find_codex()`'s: `$CODEX_BIN`, else the repository's pinned npm install (`npm
+install` at the root; its native binary is run directly, with no node shim), else `codex` on
+PATH. Per-turn homes are temporary folders (`pb-codex-*`, removed after the turn); those of a
+replica that was killed are swept by the next harness on the host (`sweep_homes`). Session-wide
+approvals (`acceptForSession`, scope `session`) last as long as Codex's process: this turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import tempfile
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+from broker import Answer, BadItem, Kind, Option, PromptCancelled, PromptUnavailable, Question
+from broker.answers import is_affirmative
+from workers.agents.codex_transcript import (
+    CALLS_KEY,
+    Call,
+    calls_of,
+    dangling_calls,
+    describe,
+    interrupted_writer,
+    output_line,
+    rewrite_line,
+)
+from workers.agents.harness import (
+    AgentStore,
+    GateVerdict,
+    PromptParked,
+    Turn,
+    TurnResult,
+    describe_delivered,
+)
+
+logger = logging.getLogger("workers.agents.codex")
+
+__all__ = [
+    "APPROVAL_METHODS",
+    "COMMAND",
+    "FILE_CHANGE",
+    "PERMISSIONS",
+    "PINNED_VERSION",
+    "SESSION_LABEL",
+    "USER_INPUT",
+    "CodexConfig",
+    "CodexHarness",
+    "answers_payload",
+    "approval_payload",
+    "approval_question",
+    "find_codex",
+    "other_reply",
+    "parse_config",
+    "sweep_homes",
+    "user_input_questions",
+    "validate_config",
+]
+
+#: The Codex CLI version whose protocol this harness speaks (package.json pins it).
+PINNED_VERSION = "0.171.0"
+
+COMMAND = "item/commandExecution/requestApproval"
+FILE_CHANGE = "item/fileChange/requestApproval"
+PERMISSIONS = "item/permissions/requestApproval"
+USER_INPUT = "item/tool/requestUserInput"
+APPROVAL_METHODS = (COMMAND, FILE_CHANGE, PERMISSIONS)
+
+#: The option that approves for the rest of the Codex session (`acceptForSession`, or scope
+#: `session`). Only a structured answer can pick it: typed text maps to Approve or Deny.
+SESSION_LABEL = "Approve for this session"
+
+#: Codex features the harness turns on: questions outside Plan mode, and the permissions tool.
+DEFAULT_FEATURES = ("default_mode_request_user_input", "request_permissions_tool")
+
+_POLICIES = ("on-request", "untrusted")
+_SANDBOXES = ("read-only", "workspace-write", "danger-full-access")
+_SANDBOX_POLICY = {
+    "read-only": {"type": "readOnly"},
+    "workspace-write": {"type": "workspaceWrite"},
+    "danger-full-access": {"type": "dangerFullAccess"},
+}
+_KEY_ENV = "PB_CODEX_API_KEY"
+_ROLLOUT = re.compile(r"sessions/[A-Za-z0-9_./-]+\.jsonl")
+_STDOUT_LIMIT = 64 * 1024 * 1024  # one JSON-RPC line (a resumed thread's history can be large)
+_START_TIMEOUT = 60.0  # seconds for the app-server to answer initialize / thread / turn start
+_EXIT_GRACE = 5.0  # seconds for the app-server to exit once its stdin is closed
+_HOME_PREFIX = "pb-codex-"
+_OWNER = "owner.pid"  # in each CODEX_HOME: the replica process's pid, for `sweep_homes`
+
+#: A hook for tests and benchmarks: `trace(event, data)` with events `spawn` `{pid, thread_id}`,
+#: `recv` / `send` `{pid, msg}` (every JSON-RPC message) and `exit` `{pid, rc}`.
+Trace = Callable[[str, dict[str, Any]], None]
+
+
+# -- finding the CLI -------------------------------------------------------------------------
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def find_codex(explicit: str | None = None) -> str | None:
+    """The Codex binary: `explicit`, `$CODEX_BIN`, the repo's pinned npm install (its native
+    binary, so no node shim sits between us and Codex), its `.bin/codex`, or `codex` on PATH."""
+    for candidate in (explicit, os.environ.get("CODEX_BIN")):
+        if candidate:
+            return candidate if os.access(candidate, os.X_OK) else None
+    modules = _repo_root() / "node_modules"
+    for native in sorted(modules.glob("@openai/codex-*/vendor/*/bin/codex")):
+        if os.access(native, os.X_OK):
+            return str(native)
+    shim = modules / ".bin" / "codex"
+    if os.access(shim, os.X_OK):
+        return str(shim)
+    return shutil.which("codex")
+
+
+# -- config ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CodexConfig:
+    """A thread's Codex config, checked."""
+
+    model: str | None = None
+    base_url: str | None = None
+    api_key: str | None = None
+    api_key_env: str | None = None
+    approval_policy: str = "on-request"
+    sandbox: str = "workspace-write"
+
+
+_KEYS = ("model", "base_url", "api_key", "api_key_env", "approval_policy", "sandbox")
+
+
+def parse_config(config: object) -> CodexConfig:
+    """Check a thread's Codex config; `BadItem` names the offending field."""
+    if not isinstance(config, dict):
+        raise BadItem("config", "expected an object")
+    for key, value in config.items():
+        if key not in _KEYS:
+            raise BadItem(
+                f"config.{key}", f"unknown key; the codex harness takes {', '.join(_KEYS)}"
+            )
+        if not isinstance(value, str) or not value:
+            raise BadItem(f"config.{key}", "expected a non-empty string")
+    base_url = config.get("base_url")
+    if base_url is not None:
+        url = urlparse(base_url)
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise BadItem("config.base_url", "expected an http(s) URL such as http://host/v1")
+    if "api_key" in config and "api_key_env" in config:
+        raise BadItem("config", "give api_key or api_key_env, not both")
+    policy = config.get("approval_policy", "on-request")
+    if policy not in _POLICIES:
+        raise BadItem("config.approval_policy", f"expected one of {', '.join(_POLICIES)}")
+    sandbox = config.get("sandbox", "workspace-write")
+    if sandbox not in _SANDBOXES:
+        raise BadItem("config.sandbox", f"expected one of {', '.join(_SANDBOXES)}")
+    return CodexConfig(
+        model=config.get("model"),
+        base_url=base_url,
+        api_key=config.get("api_key"),
+        api_key_env=config.get("api_key_env"),
+        approval_policy=policy,
+        sandbox=sandbox,
+    )
+
+
+def validate_config(config: dict[str, Any]) -> None:
+    """Refuse a config the codex harness cannot run (`BadItem` names the field)."""
+    parse_config(config)
+
+
+def _toml(value: str) -> str:
+    return json.dumps(value)  # a JSON string is a valid TOML basic string
+
+
+def config_toml(
+    cfg: CodexConfig, features: Sequence[str] = DEFAULT_FEATURES, *, has_key: bool = True
+) -> str:
+    """`$CODEX_HOME/config.toml` for one turn: the provider, and nothing that phones home.
+
+    The key itself is never written: Codex reads it from `$PB_CODEX_API_KEY` (`has_key`).
+    """
+    lines = []
+    if cfg.model:
+        lines.append(f"model = {_toml(cfg.model)}")
+    if cfg.base_url:
+        lines.append('model_provider = "prompt_broker"')
+    lines.append("suppress_unstable_features_warning = true")
+    if cfg.base_url:
+        lines += [
+            "",
+            "[model_providers.prompt_broker]",
+            'name = "prompt-broker thread provider"',
+            f"base_url = {_toml(cfg.base_url)}",
+            'wire_api = "responses"',
+            "supports_websockets = false",
+        ]
+        if has_key:
+            lines.append(f"env_key = {_toml(_KEY_ENV)}")
+    lines += ["", "[analytics]", "enabled = false", "", "[feedback]", "enabled = false"]
+    lines += ["", "[features]", "plugins = false", "remote_plugin = false", "apps = false"]
+    lines += [f"{name} = true" for name in features]
+    return "\n".join(lines) + "\n"
+
+
+# -- questions -------------------------------------------------------------------------------
+
+
+def _str(params: dict[str, Any], key: str) -> str:
+    value = params.get(key)
+    return value.strip() if isinstance(value, str) else ""
+
+
+def _offers_session(method: str, params: dict[str, Any]) -> bool:
+    """Does this request offer a session-wide approval? Permissions always do (scope
+    `session`); a command or file change does unless its `availableDecisions` leaves it out."""
+    if method == PERMISSIONS:
+        return True
+    offered = params.get("availableDecisions")
+    if isinstance(offered, list):
+        return "acceptForSession" in offered
+    return True
+
+
+def _permissions_text(permissions: object) -> str:
+    if not isinstance(permissions, dict):
+        return ""
+    parts = []
+    network = permissions.get("network")
+    if isinstance(network, dict) and network.get("enabled"):
+        parts.append("network access")
+    fs = permissions.get("fileSystem")
+    if isinstance(fs, dict):
+        for mode in ("read", "write"):
+            paths = fs.get(mode)
+            if isinstance(paths, list) and paths:
+                parts.append(f"{mode} access to " + ", ".join(f"`{p}`" for p in paths))
+    return "; ".join(parts)
+
+
+def _changes_text(changes: object) -> str:
+    if not isinstance(changes, list):
+        return ""
+    lines = []
+    for change in changes[:20]:
+        if not isinstance(change, dict):
+            continue
+        kind = change.get("kind")
+        what = kind.get("type") if isinstance(kind, dict) else kind
+        lines.append(f"`{change.get('path', '?')}`" + (f" ({what})" if what else ""))
+    if len(changes) > 20:
+        lines.append(f"and {len(changes) - 20} more")
+    return "\n".join(lines)
+
+
+def approval_question(method: str, params: dict[str, Any], changes: object = None) -> Question:
+    """The `approval` question for one Codex approval request (reference section 3.2).
+
+    `changes` is the file-change item's `changes` (from its `item/started`), since the request
+    itself names no file.
+    """
+    reason = _str(params, "reason")
+    grant_key = None
+    if method == COMMAND:
+        command = _str(params, "command")
+        text = reason or "Allow Codex to run this command?"
+        if command:
+            text += f"\n\n`{command}`"
+            grant_key = f"{method}:{command}"
+        cwd = _str(params, "cwd")
+        if cwd:
+            text += f"\n\nin {cwd}"
+        header, approve = "shell", "run this command"
+    elif method == FILE_CHANGE:
+        text = reason or "Allow Codex to change these files?"
+        listed = _changes_text(changes)
+        if listed:
+            text += "\n\n" + listed
+        root = _str(params, "grantRoot")
+        if root:
+            text += f"\n\nand to write under `{root}` for the rest of the session"
+        header, approve = "file change", "apply the change"
+    else:
+        text = reason or "Allow Codex more permissions?"
+        asked = _permissions_text(params.get("permissions"))
+        if asked:
+            text += f"\n\nIt asks for {asked}."
+        header, approve = "permissions", "for this turn only"
+    options = [
+        Option(label="Approve", description=approve),
+        Option(label="Deny", description="refuse it; Codex carries on without it"),
+    ]
+    if _offers_session(method, params):
+        options.append(
+            Option(label=SESSION_LABEL, description="and don't ask again for it this session")
+        )
+    return Question(
+        question=text,
+        header=header,
+        options=options,
+        multiSelect=False,
+        subject=method,
+        grant_key=grant_key,
+    )
+
+
+def user_input_questions(params: dict[str, Any]) -> list[Question]:
+    """One `ask_user_question` question per Codex question, in order."""
+    out = []
+    for q in params.get("questions") or []:
+        if not isinstance(q, dict):
+            continue
+        text = str(q.get("question") or q.get("header") or q.get("id") or "")
+        if q.get("isSecret"):
+            text += "\n\n(Your answer will be visible in this thread.)"
+        options = [
+            Option(label=str(o.get("label", "")), description=str(o.get("description") or ""))
+            for o in q.get("options") or []
+            if isinstance(o, dict)
+        ]
+        out.append(Question(question=text, header=str(q.get("header") or "")[:40], options=options))
+    return out
+
+
+# -- replies ---------------------------------------------------------------------------------
+
+Decision = Literal["accept", "session", "decline", "cancel"]
+
+
+def approval_payload(method: str, params: dict[str, Any], decision: Decision) -> dict[str, Any]:
+    """The reply to an approval request, in the protocol's own vocabulary.
+
+    `accept` / `session` approve (for `session`, Codex's session-wide form); `decline` is a
+    refusal (a person's, or the policy's); `cancel` says nobody decided and ends Codex's turn.
+    A permissions request has no cancel: it gets an empty grant (the turn is interrupted apart).
+    """
+    if method == PERMISSIONS:
+        if decision in ("accept", "session"):
+            granted = params.get("permissions")
+            scope = "session" if decision == "session" else "turn"
+            return {"permissions": granted if isinstance(granted, dict) else {}, "scope": scope}
+        return {"permissions": {}, "scope": "turn"}
+    if decision == "session" and not _offers_session(method, params):
+        decision = "accept"
+    word = {"accept": "accept", "session": "acceptForSession"}.get(decision, decision)
+    return {"decision": word}
+
+
+def answers_payload(params: dict[str, Any], answers: Sequence[Answer]) -> dict[str, Any]:
+    """`{answers: {<question id>: {answers: [...]}}}` for a `requestUserInput`."""
+    out: dict[str, Any] = {}
+    questions = [q for q in params.get("questions") or [] if isinstance(q, dict)]
+    for i, q in enumerate(questions):
+        labels = list(answers[i].answer) if i < len(answers) else []
+        out[str(q.get("id", i))] = {"answers": labels}
+    return {"answers": out}
+
+
+def other_reply(method: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """`(result, error)` for a server request this harness does not put to a person: a refusal
+    in its own vocabulary where it has one (not a person's denial), else a JSON-RPC error."""
+    if method == "mcpServer/elicitation/request":
+        return {"action": "cancel"}, None
+    if method == "item/tool/call":
+        text = "this client registered no dynamic tools; nothing was run"
+        return {"contentItems": [{"type": "inputText", "text": text}], "success": False}, None
+    if method in ("execCommandApproval", "applyPatchApproval"):
+        return {"decision": "abort"}, None
+    return None, {"code": -32601, "message": f"{method} is not supported by prompt-broker"}
+
+
+# -- the JSON-RPC connection -----------------------------------------------------------------
+
+
+class CodexError(Exception):
+    """The app-server failed, or answered one of our requests with an error."""
+
+
+class _Rpc:
+    """JSON-RPC over the app-server's stdio."""
+
+    def __init__(
+        self,
+        proc: asyncio.subprocess.Process,
+        on_request: Callable[[dict[str, Any]], None],
+        on_notification: Callable[[dict[str, Any]], None],
+        trace: Trace | None,
+    ) -> None:
+        self.proc = proc
+        self.on_request = on_request
+        self.on_notification = on_notification
+        self.trace = trace
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self.ids = 0
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.reader = asyncio.create_task(self._read(), name="codex stdout")
+
+    async def _read(self) -> None:
+        assert self.proc.stdout is not None
+        try:
+            while True:
+                line = await self.proc.stdout.readline()
+                if not line:
+                    break
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    logger.warning("codex.bad_line", extra={"line": line[:200]})
+                    continue
+                if not isinstance(msg, dict):
+                    continue
+                if self.trace is not None:
+                    self.trace("recv", {"pid": self.proc.pid, "msg": msg})
+                self._dispatch(msg)
+        except (OSError, ValueError) as e:  # ValueError: a line past the stream limit
+            logger.warning("codex.read_failed", extra={"error": repr(e)})
+        finally:
+            error = CodexError("the codex app-server closed its output")
+            for fut in self.pending.values():
+                if not fut.done():
+                    fut.set_exception(error)
+            if not self.closed.done():
+                self.closed.set_result(None)
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        if "method" in msg and "id" in msg:
+            self.on_request(msg)
+        elif "method" in msg:
+            self.on_notification(msg)
+        elif isinstance(msg.get("id"), int) and msg["id"] in self.pending:
+            fut = self.pending.pop(msg["id"])
+            if fut.done():
+                return
+            if "error" in msg:
+                fut.set_exception(CodexError(str(msg["error"].get("message", msg["error"]))))
+            else:
+                fut.set_result(msg.get("result"))
+        elif "error" in msg:  # an error with no id (an unparseable request of ours)
+            logger.warning("codex.error", extra={"error": msg["error"]})
+
+    async def _write(self, msg: dict[str, Any]) -> None:
+        if self.trace is not None:
+            self.trace("send", {"pid": self.proc.pid, "msg": msg})
+        stdin = self.proc.stdin
+        if stdin is None or stdin.is_closing():
+            raise CodexError("the codex app-server's input is closed")
+        stdin.write(json.dumps(msg).encode() + b"\n")
+        try:
+            await stdin.drain()
+        except (ConnectionError, OSError) as e:
+            raise CodexError(f"cannot write to the codex app-server: {e}") from e
+
+    async def call(self, method: str, params: dict[str, Any], within: float | None = None) -> Any:
+        """Send a request and return its result; `CodexError` for an error or no answer."""
+        self.ids += 1
+        request_id = self.ids
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.pending[request_id] = fut
+        await self._write({"id": request_id, "method": method, "params": params})
+        try:
+            return await asyncio.wait_for(fut, within)
+        except TimeoutError:
+            raise CodexError(f"{method}: no answer from the codex app-server") from None
+        finally:
+            self.pending.pop(request_id, None)
+
+    async def notify(self, method: str, params: dict[str, Any] | None = None) -> None:
+        msg: dict[str, Any] = {"method": method}
+        if params is not None:
+            msg["params"] = params
+        await self._write(msg)
+
+    async def reply(self, request_id: Any, result: dict[str, Any]) -> None:
+        await self._write({"id": request_id, "result": result})
+
+    async def reply_error(self, request_id: Any, error: dict[str, Any]) -> None:
+        await self._write({"id": request_id, "error": error})
+
+
+# -- rollout persistence ---------------------------------------------------------------------
+
+
+def _store_key(codex_thread: str) -> str:
+    return f"codex:{codex_thread}"
+
+
+@dataclass
+class _Rollout:
+    """Codex's rollout file for one thread, mirrored into the agent store.
+
+    Store entries are `{"w": writer, "l": line}`; `segments` (kept in the harness state, which
+    the replica commits under its lease) lists `[writer, lines]` in order, so lines written by a
+    turn whose state never committed (a replica that lost its lease) are ignored.
+    """
+
+    codex_thread: str
+    rel: str  # the file's path under CODEX_HOME
+    segments: list[list[Any]] = field(default_factory=list)
+    base: int = 0  # lines restored into the file at turn start
+    writer: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    synced: int = 0  # lines this turn added to the store
+
+    def state_segments(self) -> list[list[Any]]:
+        return [*self.segments, [self.writer, self.synced]] if self.synced else list(self.segments)
+
+
+def _restore_lines(entries: Sequence[Any], segments: Sequence[Any]) -> list[str] | None:
+    by_writer: dict[str, list[str]] = {}
+    for e in entries:
+        if isinstance(e, dict) and isinstance(e.get("w"), str) and isinstance(e.get("l"), str):
+            by_writer.setdefault(e["w"], []).append(e["l"])
+    lines: list[str] = []
+    for seg in segments:
+        if not (isinstance(seg, list) and len(seg) == 2 and isinstance(seg[1], int)):
+            return None
+        got = by_writer.get(str(seg[0]), [])[: seg[1]]
+        if len(got) < seg[1]:
+            return None
+        lines += got
+    return lines
+
+
+# -- one turn --------------------------------------------------------------------------------
+
+
+@dataclass
+class _NotAnswered:
+    """Nobody answered: the prompt parked, was cancelled, or could not be delivered."""
+
+    why: Literal["parked", "cancelled", "unavailable"]
+    detail: str = ""
+
+
+_Outcome = list[Answer] | _NotAnswered
+#: A write for the ledger's queue, and the future told whether it was stored (or None).
+_Job = tuple[Callable[[], Awaitable[None]], "asyncio.Future[bool] | None"]
+
+
+class _Run:
+    """One turn of one Codex thread: a process, its JSON-RPC connection, its prompts."""
+
+    def __init__(
+        self, harness: CodexHarness, binary: str, turn: Turn, cfg: CodexConfig, home: Path
+    ) -> None:
+        self.h = harness
+        self.binary = binary
+        self.turn = turn
+        self.cfg = cfg
+        self.home = home
+        self.proc: asyncio.subprocess.Process | None = None
+        self.rpc: _Rpc | None = None
+        self.rollout: _Rollout | None = None
+        self.thread_id: str | None = None
+        self.turn_id: str | None = None
+        self.done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.fatal: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        self.lock = asyncio.Lock()  # one question to a person at a time
+        self.parked: PromptParked | None = None
+        self.notes: list[str] = []  # told to the agent at the start of its next turn
+        # Calls this harness stopped with `cancel` (or by interrupting), by call id: the output
+        # the model reads for each instead of Codex's "aborted by user" (see `_sync`).
+        self.told: dict[str, str] = {}
+        self.aborted: str | None = None  # replaces Codex's "<turn_aborted>" message, if we ended it
+        self.follow_up = False  # tell the agent at once, in a follow-up turn (see `run_turn`)
+        self.known: set[str] = set()  # call ids already in the ledger
+        self.records: asyncio.Queue[_Job | None] = asyncio.Queue()
+        self.recorder: asyncio.Task[None] | None = None
+        self.items: dict[str, dict[str, Any]] = {}  # item/started, by id (file changes)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.emits: asyncio.Queue[str | None] = asyncio.Queue()
+        self.emitter: asyncio.Task[None] | None = None
+        self.stderr = home / "stderr.log"
+
+    # -- policy ------------------------------------------------------------------------------
+
+    @property
+    def policy(self) -> str:
+        if self.turn.permissions == "autonomous":
+            return "never"
+        if self.turn.permissions == "guarded":
+            # `untrusted` asks for every command and every file change, whatever the sandbox:
+            # the only policy under which the worker's deny rules see every call. Under
+            # `on-request` Codex runs what its sandbox allows without asking anyone.
+            return "untrusted"
+        return self.cfg.approval_policy
+
+    @property
+    def sandbox(self) -> str:
+        return "danger-full-access" if self.turn.permissions == "autonomous" else self.cfg.sandbox
+
+    @property
+    def cwd(self) -> str:
+        folder = self.turn.work_folder
+        if folder and os.path.isdir(folder):
+            return folder
+        work = self.home / "work"
+        work.mkdir(exist_ok=True)
+        return str(work)
+
+    # -- the run -----------------------------------------------------------------------------
+
+    async def run(self) -> TurnResult:
+        state = self.turn.state or {}
+        restored = await self._restore(state)
+        await self._spawn()
+        assert self.rpc is not None
+        self.emitter = asyncio.create_task(self._emit_loop(), name="codex emit")
+        self.recorder = asyncio.create_task(self._record_loop(), name="codex ledger")
+        await self.rpc.call(
+            "initialize",
+            {
+                "clientInfo": {"name": "prompt-broker", "title": "prompt-broker", "version": "0"},
+                "capabilities": {"experimentalApi": False, "requestAttestation": False},
+            },
+            _START_TIMEOUT,
+        )
+        await self.rpc.notify("initialized")
+        thread = await self._open_thread(restored)
+        self.thread_id = str(thread["id"])
+        path = thread.get("path")
+        if self.rollout is None or self.rollout.codex_thread != self.thread_id:
+            rel = _relative(path, self.home)
+            self.rollout = _Rollout(self.thread_id, rel) if _ROLLOUT.fullmatch(rel) else None
+        if self.rollout is not None:
+            start = state.get("writer") if isinstance(state.get("writer"), str) else None
+            self._record_later({"ev": "turn", "from": start, "codex_thread": self.thread_id})
+        told = [*self._interruption(), *self._old_notes(state), self.turn.prompt]
+        text = "\n\n".join(told).strip() or "(continue)"
+        started = await self.rpc.call(
+            "turn/start",
+            {
+                "threadId": self.thread_id,
+                "input": [{"type": "text", "text": text, "text_elements": []}],
+                "approvalPolicy": self.policy,
+                "sandboxPolicy": _SANDBOX_POLICY[self.sandbox],
+            },
+            _START_TIMEOUT,
+        )
+        self.turn_id = str(started["turn"]["id"])
+        finished = await self._wait_turn()
+        return await self._result(finished)
+
+    def _interruption(self) -> list[str]:
+        """What the agent is told first when its previous turn was cut off."""
+        cut = self.turn.interrupted
+        if cut is None:
+            return []
+        parts = ["Your previous turn was cut off before it ended: the replica running it stopped."]
+        if cut.delivered is not None:
+            parts.append(
+                f"Before that you had been handed {describe_delivered(cut.delivered)}; it is"
+                " not handed over again."
+            )
+        if cut.note:
+            parts.append(cut.note.rstrip(".") + ".")
+        parts.append("Nothing of that turn is repeated; a call you make again is asked again.")
+        return [" ".join(parts)]
+
+    def _old_notes(self, state: dict[str, Any]) -> list[str]:
+        notes = state.get("notes")
+        return [n for n in notes if isinstance(n, str)] if isinstance(notes, list) else []
+
+    async def _open_thread(self, restored: bool) -> dict[str, Any]:
+        assert self.rpc is not None
+        common: dict[str, Any] = {
+            "cwd": self.cwd,
+            "approvalPolicy": self.policy,
+            "sandbox": self.sandbox,
+        }
+        if self.cfg.model:
+            common["model"] = self.cfg.model
+        if restored and self.rollout is not None:
+            try:
+                res = await self.rpc.call(
+                    "thread/resume",
+                    {"threadId": self.rollout.codex_thread, "excludeTurns": True, **common},
+                    _START_TIMEOUT,
+                )
+                return dict(res["thread"])
+            except CodexError as e:
+                logger.warning(
+                    "codex.resume_failed",
+                    extra={"thread_id": self.turn.thread_id, "error": str(e)},
+                )
+                await self.turn.emit(
+                    f"(The Codex session {self.rollout.codex_thread} could not be resumed: {e}."
+                    " Starting a new one.)"
+                )
+                self.rollout = None
+        res = await self.rpc.call("thread/start", common, _START_TIMEOUT)
+        return dict(res["thread"])
+
+    async def _wait_turn(self) -> dict[str, Any]:
+        assert self.rpc is not None
+        waits: set[asyncio.Future[Any]] = {self.done, self.fatal, self.rpc.closed}
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if self.fatal.done():
+            raise self.fatal.result()
+        if self.done.done():
+            return self.done.result()
+        raise CodexError("the codex app-server exited in the middle of the turn")
+
+    async def _result(self, finished: dict[str, Any]) -> TurnResult:
+        await self._drain_emits()
+        await self._stop_process()
+        await self._drain_records()
+        await self._sync()
+        state = self._state()
+        status = finished.get("status")
+        if self.parked is not None:
+            return TurnResult("parked", state=state, parked=self.parked)
+        if status == "failed":
+            error = finished.get("error")
+            message = error.get("message") if isinstance(error, dict) else None
+            return TurnResult("failed", state=state, error=f"codex: {message or 'turn failed'}")
+        return TurnResult("completed", state=state)
+
+    def _state(self, *, open: bool = False) -> dict[str, Any]:
+        """The harness state; `open` for one stored with a question, in the middle of the turn
+        (so a replica that finds the turn cut off knows which turn's ledger to read)."""
+        state: dict[str, Any] = {"codex_thread": self.thread_id}
+        if self.rollout is not None:
+            state["rollout"] = self.rollout.rel
+            state["segments"] = self.rollout.state_segments()
+            state["writer"] = self.rollout.writer
+            if open:
+                state["open"] = True
+        if self.notes:
+            state["notes"] = list(self.notes)
+        return state
+
+    # -- the process -------------------------------------------------------------------------
+
+    async def _spawn(self) -> None:
+        key = self.cfg.api_key
+        if key is None and self.cfg.api_key_env:
+            key = os.environ.get(self.cfg.api_key_env)
+        toml = config_toml(self.cfg, self.h.features, has_key=key is not None)
+        (self.home / "config.toml").write_text(toml)
+        env = dict(os.environ)
+        env["CODEX_HOME"] = str(self.home)
+        env.pop(_KEY_ENV, None)
+        if key is not None:
+            env[_KEY_ENV] = key
+        with self.stderr.open("wb") as err:
+            self.proc = await asyncio.create_subprocess_exec(
+                self.binary,
+                "app-server",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=err,
+                cwd=self.cwd,
+                env=env,
+                limit=_STDOUT_LIMIT,
+                start_new_session=True,  # its own process group: stopped as a whole
+            )
+        if self.h.trace is not None:
+            self.h.trace("spawn", {"pid": self.proc.pid, "thread_id": self.turn.thread_id})
+        self.rpc = _Rpc(self.proc, self._on_request, self._on_notification, self.h.trace)
+
+    async def _stop_process(self, graceful: bool = True) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.stdin is not None and not proc.stdin.is_closing():
+            proc.stdin.close()
+        if graceful and proc.returncode is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), _EXIT_GRACE)
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), _EXIT_GRACE)
+        else:  # the app-server is gone; end whatever its commands left behind
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        if self.rpc is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(self.rpc.reader), 1)
+        if self.h.trace is not None:
+            self.h.trace("exit", {"pid": proc.pid, "rc": proc.returncode})
+
+    async def close(self) -> None:
+        """Whatever happened, leave nothing running."""
+        for task in self.tasks:
+            task.cancel()
+        if self.recorder is not None and not self.recorder.done():
+            self.recorder.cancel()
+        if self.emitter is not None and not self.emitter.done():
+            self.emitter.cancel()
+        await self._stop_process(graceful=False)
+        if self.rpc is not None:
+            self.rpc.reader.cancel()
+
+    def stderr_tail(self) -> str:
+        try:
+            lines = self.stderr.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return " | ".join(line for line in lines[-5:] if line.strip())[-800:]
+
+    # -- output ------------------------------------------------------------------------------
+
+    async def _emit_loop(self) -> None:
+        while (text := await self.emits.get()) is not None:
+            try:
+                await self.turn.emit(text)
+            except Exception as e:  # a lost lease, a fenced post: the turn must stop
+                self._fail(e)
+                return
+
+    async def _drain_emits(self) -> None:
+        if self.emitter is None:
+            return
+        await self.emits.put(None)
+        waits: set[asyncio.Future[Any]] = {self.emitter, self.fatal}
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if self.fatal.done():
+            raise self.fatal.result()
+
+    def _fail(self, e: BaseException) -> None:
+        if not self.fatal.done():
+            self.fatal.set_result(e)
+
+    def _on_notification(self, msg: dict[str, Any]) -> None:
+        method = msg.get("method")
+        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
+        assert isinstance(params, dict)
+        if method == "item/started":
+            item = params.get("item")
+            if isinstance(item, dict) and item.get("type") in ("fileChange", "commandExecution"):
+                item_id = str(item.get("id"))
+                if item.get("type") == "fileChange":
+                    self.items[item_id] = item
+                self._record_call(item_id, _item_what(item), _item_kind(item), asked=False)
+        elif method == "item/completed":
+            item = params.get("item")
+            if isinstance(item, dict) and item.get("type") == "agentMessage":
+                text = item.get("text")
+                if isinstance(text, str) and text.strip():
+                    self.emits.put_nowait(text)
+            elif isinstance(item, dict) and item.get("type") in ("fileChange", "commandExecution"):
+                self._record_result(item)
+        elif (
+            method == "turn/completed"
+            and params.get("threadId") in (None, self.thread_id)
+            and not self.done.done()
+        ):
+            turn = params.get("turn")
+            self.done.set_result(turn if isinstance(turn, dict) else {})
+
+    # -- the call ledger (workers.agents.codex_transcript) -----------------------------------------
+
+    async def _record_loop(self) -> None:
+        """Ledger entries and rollout copies, one at a time and in order."""
+        while (job := await self.records.get()) is not None:
+            action, done = job
+            try:
+                await action()
+            except Exception as e:  # Redis down: the record is lost, the turn goes on
+                logger.warning("codex.record_failed", extra={"error": repr(e)})
+                if done is not None and not done.done():
+                    done.set_result(False)
+                continue
+            if done is not None and not done.done():
+                done.set_result(True)
+
+    def _append_entry(self, entry: dict[str, Any]) -> Callable[[], Awaitable[None]]:
+        store, writer = self.turn.store, self.rollout.writer if self.rollout else None
+
+        async def append() -> None:
+            if store is not None and writer is not None:
+                await store.append(CALLS_KEY, [{"w": writer, **entry}])
+
+        return append
+
+    def _record_later(self, entry: dict[str, Any]) -> None:
+        self.records.put_nowait((self._append_entry(entry), None))
+
+    async def _record_now(self, entry: dict[str, Any]) -> bool:
+        """Record `entry` before going on; False when it could not be stored."""
+        if self.turn.store is None or self.rollout is None:
+            return True  # nothing is kept across turns: nobody will read it
+        if self.recorder is None or self.recorder.done():
+            return False
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.records.put_nowait((self._append_entry(entry), done))
+        return await done
+
+    def _record_call(self, item_id: str, what: str, kind: str, *, asked: bool) -> None:
+        if not item_id or (item_id in self.known and not asked):
+            return
+        self.known.add(item_id)
+        self._record_later(
+            {"ev": "call", "id": item_id, "what": what, "kind": kind, "asked": asked}
+        )
+
+    def _record_result(self, item: dict[str, Any]) -> None:
+        """A call finished: record it, and copy the transcript up to its output at once, so
+        a replica killed from now on leaves the truth behind."""
+        item_id = str(item.get("id"))
+        code = item.get("exitCode")
+        self._record_call(item_id, _item_what(item), _item_kind(item), asked=False)
+        self._record_later(
+            {
+                "ev": "result",
+                "id": item_id,
+                "status": str(item.get("status") or ""),
+                "exit": code if isinstance(code, int) and not isinstance(code, bool) else None,
+            }
+        )
+        self.records.put_nowait((lambda: self._sync(wait_for=_output_of(item_id)), None))
+
+    async def _drain_records(self) -> None:
+        if self.recorder is None or self.recorder.done():
+            return
+        await self.records.put(None)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.recorder), 10)
+
+    # -- server requests ---------------------------------------------------------------------
+
+    def _on_request(self, msg: dict[str, Any]) -> None:
+        task = asyncio.create_task(self._answer(msg), name=f"codex {msg.get('method')}")
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _answer(self, msg: dict[str, Any]) -> None:
+        assert self.rpc is not None
+        method = str(msg.get("method"))
+        params = msg.get("params") if isinstance(msg.get("params"), dict) else {}
+        assert isinstance(params, dict)
+        replied = False
+        result: dict[str, Any] | None
+        try:
+            if method in APPROVAL_METHODS:
+                result = await self._approval(method, params)
+            elif method == USER_INPUT:
+                result = await self._user_input(params)
+            else:
+                result, error = other_reply(method)
+                if error is not None:
+                    await self.rpc.reply_error(msg["id"], error)
+                    replied = True
+                    return
+                logger.info("codex.request_refused", extra={"method": method})
+            assert result is not None
+            await self.rpc.reply(msg["id"], result)
+            replied = True
+        except CodexError as e:
+            logger.warning("codex.reply_failed", extra={"method": method, "error": str(e)})
+        except asyncio.CancelledError:
+            replied = True  # the turn is being torn down with its process: nothing to say
+            raise
+        except Exception:
+            logger.exception("codex.request_failed", extra={"method": method})
+        finally:
+            if not replied and self.rpc is not None and not self.fatal.done():
+                with contextlib.suppress(CodexError, OSError):
+                    await self.rpc.reply_error(
+                        msg["id"], {"code": -32603, "message": "prompt-broker could not answer"}
+                    )
+
+    async def _ask(self, kind: Kind, questions: list[Question], item_id: str) -> _Outcome:
+        async with self.lock:
+            if self.parked is not None:
+                return _NotAnswered("parked")
+            await self._sync_now(wait_for=_holds(item_id))
+            try:
+                return await self.turn.handle.ask(kind, questions, state=self._state(open=True))
+            except PromptParked as e:
+                self.parked = e
+                return _NotAnswered("parked")
+            except PromptCancelled as e:
+                return _NotAnswered("cancelled", e.reason or "no reason given")
+            except PromptUnavailable as e:
+                return _NotAnswered("unavailable", str(e.cause))
+            except Exception as e:  # e.g. the replica lost the thread: the turn stops here
+                self._fail(e)
+                raise
+
+    async def _approval(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        item_id = str(params.get("itemId", ""))
+        changes = self.items.get(item_id, {}).get("changes")
+        what = _what(method, params)
+        if item_id:
+            self.known.add(item_id)
+            call = _call_what(method, params, changes)
+            kind = {COMMAND: "command", FILE_CHANGE: "file"}.get(method, "permissions")
+            entry = {"ev": "call", "id": item_id, "what": call, "kind": kind, "asked": True}
+            await self._record_now(entry)
+        if self.turn.permissions == "autonomous":  # Codex runs `never`: it should not ask
+            return await self._reply(method, params, item_id, "accept")
+        if self.turn.permissions == "guarded" and self.turn.gate is not None:
+            try:
+                verdict = await self.turn.gate("codex", method, params)
+            except Exception:
+                logger.exception("codex.gate_failed", extra={"method": method})
+                verdict = GateVerdict("deny", rule="policy_evaluation_error")
+            if verdict.action == "allow":
+                return await self._reply(method, params, item_id, "accept")
+            if verdict.action == "deny":
+                logger.info("codex.policy_denied", extra={"method": method, "rule": verdict.rule})
+                refusal = f"Denied by policy rule '{verdict.rule or 'default'}'"
+                return await self._refuse(
+                    method,
+                    params,
+                    item_id,
+                    output=f"{refusal}: {what} was refused and nothing was run. Nobody was asked.",
+                    note=f"{refusal}: your request for {what} was refused by the worker's policy,"
+                    " not by a person, and nothing was run. Carry on without it.",
+                    why="the worker's policy refused a call",
+                )
+        question = approval_question(method, params, changes)
+        outcome = await self._ask("approval", [question], item_id)
+        if isinstance(outcome, _NotAnswered):
+            return await self._unanswered(method, params, item_id, outcome, what)
+        decision = _decision(outcome)
+        if decision == "session" and self.turn.permissions == "guarded":
+            decision = "accept"  # a session-wide approval would keep later calls from the gate
+        if decision == "decline" and not _offers(method, params, "decline"):
+            return await self._refuse(
+                method,
+                params,
+                item_id,
+                output=f"The person denied {what}; nothing was run.",
+                note=f"The person denied your request for {what}; nothing was run. Carry on"
+                " without it, or ask them what they would rather you do.",
+                why="the person denied a call",
+            )
+        return await self._reply(method, params, item_id, decision)
+
+    async def _reply(
+        self, method: str, params: dict[str, Any], item_id: str, decision: Decision
+    ) -> dict[str, Any]:
+        """The reply, once the ledger holds it: a crash after this reads as "may have run"."""
+        payload = approval_payload(method, params, decision)
+        recorded = await self._record_now({"ev": "reply", "id": item_id, "decision": decision})
+        if not recorded and decision in ("accept", "session"):
+            # Unrecorded, an approval could run a call that a replica taking over would
+            # report as never run: refuse it instead; asking again will retry.
+            outcome = _NotAnswered("unavailable", "the approval could not be recorded")
+            return await self._unanswered(method, params, item_id, outcome, _what(method, params))
+        return payload
+
+    async def _refuse(
+        self,
+        method: str,
+        params: dict[str, Any],
+        item_id: str,
+        *,
+        output: str,
+        note: str,
+        why: str,
+        follow_up: bool = True,
+    ) -> dict[str, Any]:
+        """Stop a call nobody (or the policy, or a person where `decline` is not offered)
+        approved, in words of our own: `cancel` ends Codex's turn; the model reads `output` as
+        the call's result instead of Codex's "aborted by user" (the transcript is rewritten as
+        it is stored), and `note` right after, in a follow-up turn started at once."""
+        if item_id:
+            self.told[item_id] = output
+        self.aborted = _ended(why)
+        if note:
+            self.notes.append(note)
+        self.follow_up = self.follow_up or follow_up
+        if method == PERMISSIONS:  # its reply has no cancel: interrupt, then grant nothing
+            await self._interrupt()
+        await self._record_now({"ev": "reply", "id": item_id, "decision": "cancel"})
+        return approval_payload(method, params, "cancel")
+
+    async def _unanswered(
+        self, method: str, params: dict[str, Any], item_id: str, outcome: _NotAnswered, what: str
+    ) -> dict[str, Any]:
+        output, note = _unanswered_words(outcome, what)
+        return await self._refuse(
+            method,
+            params,
+            item_id,
+            output=output,
+            note=note,
+            why=_why(outcome),
+            follow_up=outcome.why != "parked",
+        )
+
+    async def _user_input(self, params: dict[str, Any]) -> dict[str, Any]:
+        questions = user_input_questions(params)
+        if not questions:
+            return {"answers": {}}
+        item_id = str(params.get("itemId", ""))
+        outcome = await self._ask("ask_user_question", questions, item_id)
+        if isinstance(outcome, _NotAnswered):
+            output, note = _unanswered_words(outcome, "an answer to your question", "Question")
+            if item_id:
+                self.told[item_id] = output
+            self.aborted = _ended(_why(outcome))
+            if note:
+                self.notes.append(note)
+            self.follow_up = self.follow_up or outcome.why != "parked"
+            await self._interrupt()  # its reply cannot refuse: end the turn before replying
+            return {"answers": {}}  # no answer to any question
+        return answers_payload(params, outcome)
+
+    async def _interrupt(self) -> None:
+        if self.rpc is None or self.thread_id is None or self.turn_id is None:
+            return
+        with contextlib.suppress(CodexError):
+            await self.rpc.call(
+                "turn/interrupt", {"threadId": self.thread_id, "turnId": self.turn_id}, 10
+            )
+
+    # -- the rollout -------------------------------------------------------------------------
+
+    async def _restore(self, state: dict[str, Any]) -> bool:
+        """Write the stored rollout into this turn's CODEX_HOME; True if it can be resumed.
+
+        After a cut-off turn (`Turn.interrupted`) that turn's lines are taken too, up to the
+        last one it stored (a call's output is stored as soon as Codex reports it). A call left
+        with no output gets one saying what is known of it (`codex_transcript.describe`),
+        which Codex would otherwise fill in as "aborted".
+        """
+        codex_thread, rel, segments = (
+            state.get("codex_thread"),
+            state.get("rollout"),
+            state.get("segments"),
+        )
+        if not (isinstance(codex_thread, str) and isinstance(rel, str)):
+            return False
+        if not _ROLLOUT.fullmatch(rel) or ".." in rel.split("/"):
+            return False
+        store = self.turn.store
+        if not isinstance(segments, list) or not segments or store is None:
+            return False
+        entries = await store.load(_store_key(codex_thread)) or []
+        segments = list(segments)
+        ledger: list[Any] | None = None
+        if self.turn.interrupted is not None:
+            ledger = await store.load(CALLS_KEY) or []
+            cut = interrupted_writer(ledger, state)
+            if cut is not None:
+                segments = _extend(segments, cut, entries)
+        lines = _restore_lines(entries, segments)
+        if not lines:
+            await self.turn.emit(
+                f"(The transcript of Codex session {codex_thread} is missing from the store;"
+                " starting a new Codex session.)"
+            )
+            return False
+        extra: list[str] = []
+        dangling = dangling_calls(lines)
+        if dangling:
+            if ledger is None:
+                ledger = await store.load(CALLS_KEY) or []
+            calls = calls_of(ledger)
+            for call_id, call_type in dangling:
+                call = calls.get(call_id) or Call(call_id, "this call", "other")
+                extra.append(
+                    output_line([*lines, *extra], call_id, call_type, describe(call) + ".")
+                )
+        path = self.home / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join([*lines, *extra]) + "\n")
+        # The outputs written here are this turn's own lines: the next `_sync` stores them.
+        self.rollout = _Rollout(codex_thread, rel, segments=segments, base=len(lines))
+        return True
+
+    async def _sync_now(self, wait_for: Callable[[bytes], bool] | None = None) -> None:
+        """`_sync`, in order with the ledger's writes."""
+        if self.recorder is None or self.recorder.done():
+            await self._sync(wait_for)
+            return
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.records.put_nowait((lambda: self._sync(wait_for), done))
+        await done
+
+    async def _sync(self, wait_for: Callable[[bytes], bool] | None = None) -> None:
+        """Append the rollout's new complete lines to the store, in our words where we stopped
+        a call (`codex_transcript.rewrite_line`). With `wait_for`, first wait briefly until
+        Codex has written what it looks for (a call, a call's output), so a resume sees it."""
+        r, store = self.rollout, self.turn.store
+        if r is None or store is None:
+            return
+        path = self.home / r.rel
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 1.0
+        while True:
+            try:
+                data = await asyncio.to_thread(path.read_bytes)
+            except OSError:
+                data = b""
+            if wait_for is None or wait_for(data) or loop.time() > deadline:
+                break
+            await asyncio.sleep(0.02)
+        complete = data[: data.rfind(b"\n") + 1].decode(errors="replace")
+        lines = complete.splitlines()
+        new = lines[r.base + r.synced :]
+        if new:
+            words = [rewrite_line(x, self.told, self.aborted) for x in new]
+            await store.append(_store_key(r.codex_thread), [{"w": r.writer, "l": x} for x in words])
+            r.synced += len(new)
+
+
+def _extend(segments: list[Any], writer: str, entries: Sequence[Any]) -> list[Any]:
+    """`segments` with every line `writer` stored, its own segment grown or added last."""
+    count = sum(1 for e in entries if isinstance(e, dict) and e.get("w") == writer and "l" in e)
+    if not count:
+        return segments
+    out = [seg for seg in segments if not (isinstance(seg, list) and seg and seg[0] == writer)]
+    return [*out, [writer, count]]
+
+
+def _holds(call_id: str) -> Callable[[bytes], bool]:
+    """Does the rollout name `call_id` yet (its call has been written)?"""
+    needle = call_id.encode()
+
+    def check(data: bytes) -> bool:
+        return not needle or needle in data
+
+    return check
+
+
+def _output_of(call_id: str) -> Callable[[bytes], bool]:
+    """Does the rollout hold the output of `call_id` yet?"""
+    needle = f'"call_id":"{call_id}"'.encode()
+
+    def check(data: bytes) -> bool:
+        return any(b"_call_output" in line and needle in line for line in data.splitlines())
+
+    return check
+
+
+def _item_kind(item: dict[str, Any]) -> str:
+    return "command" if item.get("type") == "commandExecution" else "file"
+
+
+def _item_what(item: dict[str, Any]) -> str:
+    if item.get("type") == "commandExecution":
+        command = item.get("command")
+        return command if isinstance(command, str) and command else "a command"
+    return _changes_what(item.get("changes"))
+
+
+def _changes_what(changes: object) -> str:
+    paths = (
+        [str(c.get("path")) for c in changes if isinstance(c, dict) and c.get("path")]
+        if isinstance(changes, list)
+        else []
+    )
+    return "the file change to " + ", ".join(paths[:5]) if paths else "a file change"
+
+
+def _call_what(method: str, params: dict[str, Any], changes: object) -> str:
+    """What the ledger calls the call an approval request is for."""
+    if method == COMMAND:
+        return _str(params, "command") or "a command"
+    if method == FILE_CHANGE:
+        return _changes_what(changes)
+    return "a permissions request"
+
+
+def _offers(method: str, params: dict[str, Any], decision: str) -> bool:
+    """May we reply `decision`? Where the request lists `availableDecisions`, only if listed
+    (Codex 0.171.0 lists `accept`, an execpolicy amendment and `cancel` for commands, so a
+    command is never answered `decline`); else if the method's reply has that decision."""
+    offered = params.get("availableDecisions")
+    if isinstance(offered, list):
+        return decision in offered
+    return method != PERMISSIONS
+
+
+def _ended(why: str) -> str:
+    """What the model reads where Codex would say the person interrupted the turn."""
+    return (
+        f"This turn was ended by prompt-broker, not by the person: {why}. Nobody interrupted you."
+    )
+
+
+def _why(outcome: _NotAnswered) -> str:
+    if outcome.why == "parked":
+        return "a question is waiting for a person, and the answer comes back in a later turn"
+    if outcome.why == "cancelled":
+        return f"a question was cancelled before anyone answered ({outcome.detail})"
+    return f"a question could not be put to a person ({outcome.detail})"
+
+
+def _unanswered_words(outcome: _NotAnswered, what: str, head: str = "Approval") -> tuple[str, str]:
+    """`(the call's output, the note)` when nobody answered: never a refusal. `head` is what
+    was asked for (`Approval`, or `Question` for Codex's own questions)."""
+    if outcome.why == "parked":
+        return (
+            f"{head} pending: the request for {what} is waiting for a person. Nothing was run"
+            " and nobody refused it; their answer comes back in your next turn.",
+            "",
+        )
+    if outcome.why == "cancelled":
+        text = (
+            f"{head} unavailable: the request for {what} was cancelled ({outcome.detail})"
+            " before anyone answered. Nothing was run and nobody refused it."
+        )
+        return text, text
+    text = (
+        f"{head} unavailable: the request for {what} could not be put to a person"
+        f" ({outcome.detail}). Nothing was run and nobody refused it; asking again will retry."
+    )
+    return text, text
+
+
+def _relative(path: object, home: Path) -> str:
+    """`path` under `home`, as a relative POSIX path ("" when it is not under it)."""
+    if not isinstance(path, str):
+        return ""
+    try:
+        return Path(path).relative_to(home).as_posix()
+    except ValueError:
+        return ""
+
+
+def _what(method: str, params: dict[str, Any]) -> str:
+    if method == COMMAND:
+        command = _str(params, "command")
+        return f"approval to run `{command}`" if command else "approval to run a command"
+    if method == FILE_CHANGE:
+        return "approval of a file change"
+    return "more permissions"
+
+
+def _decision(answers: Sequence[Answer]) -> Decision:
+    """A person's answer to a Codex approval: only an affirmative label approves; the session
+    option approves session-wide; anything else (including malformed answers) declines."""
+    label = answers[0].answer[0] if answers and answers[0].answer else ""
+    if " ".join(label.split()).casefold() == SESSION_LABEL.casefold():
+        return "session"
+    return "accept" if is_affirmative(label) else "decline"
+
+
+def sweep_homes(root: str | None = None) -> int:
+    """Remove the per-turn CODEX_HOMEs that a dead process left behind (a SIGKILLed replica
+    cannot clean up after itself); returns how many. Homes of live processes are kept."""
+    removed = 0
+    for home in Path(root or tempfile.gettempdir()).glob(f"{_HOME_PREFIX}*"):
+        try:
+            pid = int((home / _OWNER).read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or still being set up
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        shutil.rmtree(home, ignore_errors=True)
+        removed += 1
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# -- the harness -----------------------------------------------------------------------------
+
+
+class CodexHarness:
+    """The real Codex CLI as a coding agent (see the module docstring)."""
+
+    name = "codex"
+
+    def __init__(
+        self,
+        binary: str | None = None,
+        *,
+        home_root: str | None = None,
+        features: Sequence[str] = DEFAULT_FEATURES,
+        trace: Trace | None = None,
+    ) -> None:
+        self._binary = binary
+        self.home_root = home_root
+        self.features = tuple(features)
+        self.trace = trace
+        self._swept = False
+
+    async def describe_interruption(
+        self, thread_id: str, state: dict[str, Any] | None, store: AgentStore | None
+    ) -> str:
+        """The last call of the cut-off turn, from the call ledger
+        (`workers.agents.codex_transcript`): "ran, exit code N" when its result was recorded, "did
+        not run" when it provably did not (refused, or still waiting for approval), else
+        "interrupted; it may or may not have taken effect"."""
+        if store is None:
+            return ""
+        try:
+            ledger = await store.load(CALLS_KEY) or []
+        except Exception:
+            logger.warning("codex.ledger_unreadable", extra={"thread_id": thread_id})
+            return (
+                "What the interrupted turn was doing is not known (its record could not be read);"
+                " check before running its last call again"
+            )
+        writer = interrupted_writer(ledger, state)
+        if writer is None:
+            return ""
+        calls = calls_of(ledger, writer)
+        return describe(list(calls.values())[-1]) if calls else ""
+
+    async def run_turn(self, turn: Turn) -> TurnResult:
+        try:
+            cfg = parse_config(turn.config)
+        except BadItem as e:
+            return TurnResult("failed", state=turn.state, error=f"the codex harness: {e}")
+        binary = find_codex(self._binary)
+        if binary is None:
+            return TurnResult(
+                "failed",
+                state=turn.state,
+                error="the codex CLI is not installed: run `npm install` at the repository root"
+                " (package.json pins @openai/codex), or set CODEX_BIN",
+            )
+        if not self._swept:
+            self._swept = True
+            await asyncio.to_thread(sweep_homes, self.home_root)
+        result, follow_up = await self._run_once(binary, turn, cfg)
+        if follow_up and result.status == "completed" and turn.store is not None:
+            # Codex's turn was ended on our behalf (nobody could answer, or a refusal Codex's
+            # reply cannot carry): tell the agent now, in a turn of its own, rather than when
+            # the person next writes. Once: a second such stop waits for the next turn.
+            again = replace(turn, prompt="", state=result.state, resume=None, interrupted=None)
+            told, _ = await self._run_once(binary, again, cfg)
+            if told.status == "failed":  # the notes stay in the state: the next turn tells them
+                logger.warning("codex.follow_up_failed", extra={"error": told.error})
+                return result
+            return told
+        return result
+
+    async def _run_once(self, binary: str, turn: Turn, cfg: CodexConfig) -> tuple[TurnResult, bool]:
+        home = Path(tempfile.mkdtemp(prefix=_HOME_PREFIX, dir=self.home_root))
+        (home / _OWNER).write_text(str(os.getpid()))
+        run = _Run(self, binary, turn, cfg, home)
+        try:
+            return await run.run(), run.follow_up
+        except CodexError as e:
+            tail = run.stderr_tail()
+            error = f"codex: {e}" + (f" (stderr: {tail})" if tail else "")
+            return TurnResult("failed", state=turn.state, error=error), False
+        finally:
+            await run.close()
+            await asyncio.to_thread(shutil.rmtree, home, True)
