@@ -131,8 +131,8 @@ def test_a_thread_of_the_replica_exiting_is_not_its_death(tmp_path: Path) -> Non
     thread.start()
     thread.join()
     (proc,) = started
-    time.sleep(0.5)
-    assert proc.poll() is None and len(marked(mark)) >= 4
+    wait_for(lambda: len(marked(mark)) >= 4, "the CLI to keep marking after its thread ended")
+    assert proc.poll() is None
     proc.send_signal(claude_launch.KILL_TREE)
     assert proc.wait(5) == 137
     assert marked(mark) == []

@@ -1390,7 +1390,7 @@ async def test_sigkilled_turn_leaves_the_truth_about_its_call(
         assert result.status == "completed", result.error
         check_told(fake.requests[before], note, moment)  # what the model receives next
         assert emitted == ["carrying on"]
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # a negative window: the command is not run a second time
         assert marker.read_text() == "RAN\n"  # ran once, never again
     finally:
         await delete_prefix(redis, prefix)
@@ -1460,7 +1460,7 @@ async def _kill_mid_turn(
             assert any(comm == "sleep" for _, comm in started), started
         child.kill()  # SIGKILL: nothing is released, nothing is said to Codex
         await child.wait()
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)  # the window is the requirement: nothing alive 1 s after the kill
         alive = [(pid, comm) for pid, comm in started if _alive(pid)]
         assert alive == [], f"still alive 1 s after the SIGKILL: {alive}"
     finally:

@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 
 from broker import Broker, BrokerUnavailable, Settings
 from tests.conftest import BrokerFactory, RedisServer
-from tests.helpers import text, until
+from tests.helpers import began_waiting, text, until
 
 APPROVAL = {"question": "Deploy?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
 NEVER = 3600.0  # a sweep interval far beyond every test's time limit
@@ -247,7 +247,8 @@ async def test_subscription_cancelled_while_it_connects_then_pubsub_killed(
         asyncio.create_task(rig.agent.wait("a", first.prompt_id)),
         asyncio.create_task(rig.agent.wait("b", second.prompt_id)),
     ]
-    await asyncio.sleep(0.2)  # let the waits begin (either order passes)
+    await began_waiting(rig.agent, "a", first.prompt_id)
+    await began_waiting(rig.agent, "b", second.prompt_id)
     await rig.surface.post_item("a", text("yes"))
     await rig.surface.post_item("b", text("no"))
     a, b = await asyncio.wait_for(asyncio.gather(*waits), 8)

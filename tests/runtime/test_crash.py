@@ -428,7 +428,12 @@ async def test_pubsub_killed_between_resolve_and_delivery(
         threads = [f"bell{i}" for i in range(6)]
         await start_threads(b, threads)
         owners = await held_everywhere(b, threads)
-        await asyncio.sleep(0.2)  # let every held wait subscribe and read its record
+        wakes = [b.thread(t).wake for t in threads]
+
+        async def listened() -> bool:  # every held wait's bell has its subscriber
+            return all(n >= 1 for _, n in await b.redis.pubsub_numsub(*wakes))
+
+        await until(listened, 10, "every held wait to subscribe")
         kill = b.redis.execute_command("CLIENT", "KILL", "TYPE", "pubsub")  # type: ignore[no-untyped-call]
         killed = int(await kill)
         assert killed >= 2, f"killed {killed} pub/sub connections"
