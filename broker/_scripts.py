@@ -30,7 +30,6 @@ NAMES = (
     "enqueue",
     "create",
     "claim",
-    "renew",
     "release",
     "update",
     "resume",
