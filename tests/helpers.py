@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -80,3 +83,25 @@ async def began_waiting(broker: Any, thread_id: str, prompt_id: str) -> None:
         return prompt_id in waiter._waits and ch is not None and ch.confirmed.is_set()
 
     await until(began, f"the wait on {prompt_id} to begin")
+
+
+def cli(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`prompt-broker ARGS` as a real process with `env`, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "workers.runtime.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def eventually(check: Callable[[], Any], what: str, timeout: float = 20) -> Any:
+    """Poll a synchronous `check` until it returns something truthy (a condition, not a guess)."""
+    deadline = time.monotonic() + timeout
+    while not (got := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+    return got

@@ -19,19 +19,9 @@ import pytest
 import redis
 
 from tests.conftest import RedisServer, free_port
+from tests.helpers import cli
 
 pytestmark = pytest.mark.real_redis
-
-
-def cli(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "workers.runtime.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 @pytest.fixture
