@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from broker import Item
@@ -105,3 +107,26 @@ def eventually(check: Callable[[], Any], what: str, timeout: float = 20) -> Any:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.2)
     return got
+
+
+@contextlib.contextmanager
+def process(args: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    """`prompt-broker ARGS` running in the background for a `with` block; stopped after it
+    (continued first, in case the test paused it), killed if it does not stop in 15 s."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workers.runtime.cli", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

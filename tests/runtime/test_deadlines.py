@@ -5,39 +5,17 @@ Real replica processes on a real redis-server; the limit is PROMPT_BROKER_OPS_TU
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import RedisServer
-from tests.helpers import cli, eventually
+from tests.helpers import cli, eventually, process
 
 pytestmark = [pytest.mark.real_redis, pytest.mark.slow]
-
-
-@contextlib.contextmanager
-def process(args: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "workers.runtime.cli", *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture

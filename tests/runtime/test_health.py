@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import subprocess
-import sys
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 import pytest
 
 from tests.conftest import RedisServer, free_port
-from tests.helpers import cli, eventually
+from tests.helpers import cli, eventually, process
 
 pytestmark = [pytest.mark.real_redis, pytest.mark.slow]
 
@@ -29,27 +26,6 @@ def env(redis_server_factory: Callable[..., RedisServer]) -> dict[str, str]:
         "PROMPT_BROKER_LEASE_TTL": "2",
         "PROMPT_BROKER_ADOPT_INTERVAL": "0.3",
     }
-
-
-@contextlib.contextmanager
-def process(args: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "workers.runtime.cli", *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def status(env: dict[str, str]) -> dict[str, Any]:
