@@ -160,10 +160,26 @@ class Dispatcher:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._worker is not None:
-            with contextlib.suppress(Exception):
-                await self._worker.close()
+            await self._close_worker(self._worker)
         await self._http.aclose()
         await self._arq.aclose(close_connection_pool=True)
+
+    async def _close_worker(self, worker: Worker, drain: float = 5.0) -> None:
+        """Let deliveries in flight finish (a short drain), then stop arq's worker. A job arq
+        cancels while it records its end raises CancelledError out of `close`: that is the job's,
+        not ours, and the delivery it was finishing is retried (at least once), so it is dropped
+        here unless this task itself is being cancelled."""
+        running = [t for t in worker.tasks.values() if not t.done()]
+        if running:
+            await asyncio.wait(running, timeout=drain)
+        try:
+            await worker.close()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+        except Exception as e:  # closing must not fail a shutdown; say what happened
+            logger.warning("webhooks.close_failed", extra={"error": repr(e)})
 
     # -- feeding -----------------------------------------------------------------------------
 

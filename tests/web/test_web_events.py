@@ -359,3 +359,35 @@ async def test_an_event_a_dead_copy_took_is_delivered(broker: Broker) -> None:
                     break
                 await asyncio.sleep(0.05)
     assert len(receiver.messages) == 1 and p.prompt_id in receiver.messages[0]
+
+
+async def test_a_delivery_in_flight_finishes_when_the_copy_stops(broker: Broker) -> None:
+    """A `serve` copy stopping while a delivery waits on a slow subscriber lets it finish (a
+    short drain) and stops cleanly: closing raises nothing and the delivery is not cut off."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from web.webhooks import Dispatcher, Webhook
+
+    started, finished = asyncio.Event(), asyncio.Event()
+
+    async def slow(request: Any) -> Any:
+        await request.body()
+        started.set()
+        await asyncio.sleep(0.5)
+        finished.set()
+        return PlainTextResponse("ok")
+
+    target = Starlette(routes=[Route("/hook", slow, methods=["POST"])])
+    async with serving(target) as hook_base:
+        hook = Webhook(id="chat", url=f"{hook_base}/hook", secret=SECRET)
+        hooks = Dispatcher(broker.redis, broker.keys, (hook,), retry_delay=0.1)
+        await hooks.start()
+        try:
+            await broker.ask("t", "approval", [APPROVAL])
+            await asyncio.wait_for(started.wait(), 10)
+        finally:
+            await hooks.aclose()  # with the subscriber still answering
+        assert finished.is_set()
+    assert await broker.redis.zcard(hooks.queue) == 0  # done, not left to be sent again
