@@ -26,7 +26,8 @@ from ulid import ULID
 
 from broker import _codec, events
 from broker._scripts import Scripts
-from broker._waiter import ShardedBells, Waiter, Wake
+from broker._sharded import ShardedBells
+from broker._waiter import Waiter, Wake
 from broker.answers import check_structured, matchers, prepare
 from broker.errors import (
     BadItem,
@@ -210,7 +211,7 @@ class Broker:
         With `cluster=True` (default: the `redis_cluster` setting) `url` names one node of a
         Redis Cluster: commands go through redis-py's cluster client, each thread's scripts to
         the primary owning its slot, and the bells are sharded pub/sub (`ShardedPubSub`,
-        broker/_waiter.py).
+        broker/_sharded.py).
         """
         settings = settings or Settings.from_env()
         url = url or settings.redis_url
