@@ -174,11 +174,13 @@ def test_operations_names_only_log_events_that_exist() -> None:
 
 
 def test_operations_lists_every_metric() -> None:
-    """Every Prometheus metric `workers/runtime/metrics.py` defines is named in
-    docs/operations.md."""
-    source = (ROOT / "workers" / "runtime" / "metrics.py").read_text()
+    """Every Prometheus metric the fleet's processes (`workers/runtime/metrics.py`) and the HTTP
+    server (`web/metrics.py`) define is named in docs/operations.md."""
+    source = "".join(
+        (ROOT / f).read_text() for f in ("workers/runtime/metrics.py", "web/metrics.py")
+    )
     names = re.findall(r"(?:Gauge|Counter|Histogram)\(\s*\"(prompt_broker_\w+)\"", source)
-    assert len(names) >= 10
+    assert len(names) >= 14 and "prompt_broker_http_requests" in names
     missing = [n for n in names if f"`{n}`" not in OPERATIONS]
     assert not missing, f"not in docs/operations.md: {missing}"
 

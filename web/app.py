@@ -24,6 +24,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from broker import BadItem, Broker, BrokerError, Settings
+from web import metrics
 from web.api import Api
 from web.auth import Gate
 from web.errors import ApiError, error_response, from_broker, json_response
@@ -134,6 +135,12 @@ async def readyz(request: Request) -> Response:
     return json_response({"ok": True, "redis": True})
 
 
+async def metrics_text(request: Request) -> Response:
+    """This copy's own metrics (requests, event streams, webhook deliveries): counts only,
+    nothing of a prompt or a person, so it asks for no token, like the health checks."""
+    return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
 async def openapi(request: Request) -> Response:
     return json_response(document())
 
@@ -187,6 +194,7 @@ def create_app(
         Route("/", index),
         Route("/healthz", healthz),
         Route("/readyz", readyz),
+        Route("/metrics", metrics_text),
         Route("/openapi.json", openapi),
         Route("/v1/session", handler("sign_in"), methods=["POST"]),
         Route("/v1/session", handler("whoami"), methods=["GET"]),
@@ -206,7 +214,7 @@ def create_app(
     return Starlette(
         routes=routes,
         lifespan=lifespan,
-        middleware=[Middleware(_SecurityHeaders)],
+        middleware=[Middleware(metrics.Measured), Middleware(_SecurityHeaders)],
         exception_handlers={
             ApiError: _api_error,
             BrokerError: _broker_error,

@@ -178,6 +178,12 @@ def document() -> dict[str, Any]:
         },
         "paths": {
             "/healthz": {"get": {"summary": "alive", "responses": {"200": {"description": "ok"}}}},
+            "/metrics": {
+                "get": {
+                    "summary": "this copy's Prometheus metrics (text format)",
+                    "responses": {"200": {"description": "the metrics"}},
+                }
+            },
             "/readyz": {
                 "get": {
                     "summary": "Redis answers",

@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 from broker import events
 from broker.errors import BadItem
 from broker.keys import Keys
+from web import metrics
 from web.errors import dumps
 
 __all__ = ["EventHub", "stream"]
@@ -70,10 +71,13 @@ class EventHub:
     def subscribe(self) -> Subscription:
         sub = Subscription()
         self._subs.add(sub)
+        metrics.EVENT_STREAMS.inc()
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
-        self._subs.discard(sub)
+        if sub in self._subs:
+            self._subs.discard(sub)
+            metrics.EVENT_STREAMS.dec()
 
     async def _follow(self) -> None:
         while True:

@@ -49,6 +49,7 @@ from redis.exceptions import RedisError, ResponseError
 from broker import events
 from broker.events import EventName
 from broker.keys import Keys
+from web import metrics
 
 __all__ = ["TRIES", "Dispatcher", "Webhook", "sign"]
 
@@ -231,6 +232,7 @@ class Dispatcher:
         hook = self.hooks.get(hook_id)
         delivery = f"{hook_id}:{payload['id']}"
         if hook is None:
+            metrics.WEBHOOK_DELIVERIES.labels(hook_id, "unsubscribed").inc()
             return "unsubscribed"
         body = orjson.dumps(payload)
         now = int(time.time())
@@ -247,13 +249,16 @@ class Dispatcher:
         except httpx.HTTPError as e:
             problem = f"{type(e).__name__}: {e}"
         if not problem:
+            metrics.WEBHOOK_DELIVERIES.labels(hook_id, "delivered").inc()
             return "delivered"
         tries = int(ctx.get("job_try", 1))
         if tries < self.tries:
+            metrics.WEBHOOK_DELIVERIES.labels(hook_id, "retried").inc()
             delay = self._retry_delay if self._retry_delay is not None else _backoff(tries)
             raise Retry(defer=delay)
         record = {"hook": hook_id, "payload": payload, "error": problem, "tries": tries}
         await self.redis.hset(self.failed_key, delivery, orjson.dumps(record).decode())  # type: ignore[misc]
+        metrics.WEBHOOK_DELIVERIES.labels(hook_id, "failed").inc()
         logger.warning("webhooks.failed", extra={"delivery": delivery, "error": problem})
         return "failed"
 

@@ -550,6 +550,9 @@ async def test_a_real_serve_process(
             )
             assert r.status_code == 200, r.text
             assert (await waiting)[0].answer == ["Approve"]
+            scraped = (await c.get("/metrics")).text  # the process's own metrics
+            posted = 'method="POST",route="/v1/threads/{thread_id}/items",status="200"} 1.0'
+            assert f"prompt_broker_http_requests_total{{{posted}" in scraped
         opened = asyncio.Event()
         stream = asyncio.create_task(_hold_a_stream(base, opened))
         await asyncio.wait_for(opened.wait(), 10)

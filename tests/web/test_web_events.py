@@ -233,6 +233,16 @@ class Flaky:
         return await self.receiver.handle(request)
 
 
+def deliveries(outcome: str) -> float:
+    """The webhook deliveries this process counted with `outcome` (`serve`'s /metrics)."""
+    from web import metrics
+
+    labels = {"hook": "chat", "outcome": outcome}
+    return (
+        metrics.REGISTRY.get_sample_value("prompt_broker_webhook_deliveries_total", labels) or 0.0
+    )
+
+
 async def _with_hooks(broker: Broker, hook_url: str, tries: int = 4, **options: Any) -> Any:
     from web.webhooks import Webhook
 
@@ -255,6 +265,7 @@ async def test_webhooks_signed_retried_and_deduplicated(broker: Broker) -> None:
 
     receiver = Receiver(SECRET, "http://inbox.example")
     flaky = Flaky(receiver, fail=2)
+    before = {o: deliveries(o) for o in ("delivered", "retried", "failed")}
     target = Starlette(routes=[Route("/hook", flaky.handle, methods=["POST"])])
     async with (
         serving(target) as hook_base,
@@ -271,6 +282,9 @@ async def test_webhooks_signed_retried_and_deduplicated(broker: Broker) -> None:
         f"[t] answered by bob (http://inbox.example/#/threads/t/prompts/{p.prompt_id})",
     ]
     assert flaky.calls >= 4  # two failures, retried, then both delivered
+    assert deliveries("delivered") - before["delivered"] == 2  # serve's /metrics counts them
+    assert deliveries("retried") - before["retried"] == flaky.calls - 2
+    assert deliveries("failed") == before["failed"]
 
 
 async def test_the_receiver_checks_signatures_and_dedupes() -> None:
@@ -308,6 +322,7 @@ async def test_failed_deliveries_are_kept_listed_and_replayed(broker: Broker) ->
 
     receiver = Receiver(SECRET, "http://inbox")
     flaky = Flaky(receiver, fail=10**9)
+    failed_before = deliveries("failed")
     target = Starlette(routes=[Route("/hook", flaky.handle, methods=["POST"])])
     headers = {"Authorization": f"Bearer {ALICE}"}
     async with (
@@ -324,6 +339,7 @@ async def test_failed_deliveries_are_kept_listed_and_replayed(broker: Broker) ->
             await asyncio.sleep(0.05)
         assert len(failed) == 1 and failed[0]["payload"]["prompt_id"] == p.prompt_id
         assert failed[0]["tries"] == 2 and failed[0]["error"] == "HTTP 500"
+        assert deliveries("failed") - failed_before == 1
         flaky.fail = 0
         delivery = failed[0]["delivery"]
         assert (await c.post(f"/v1/webhooks/failed/{delivery}/replay")).status_code == 200

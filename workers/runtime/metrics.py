@@ -10,7 +10,7 @@ Three sources, so no hot path of a replica pays for a metric:
 - **Turn metrics** come from wrapping each harness of a replica (`instrument`): one counter
   increment and one histogram observation per turn.
 - **Event counters** (adoptions, lost threads, demoted waits, pub/sub reconnects, audit
-  reconnects, webhook failures) count the log events the processes already write (`LogCounter`),
+  reconnects) count the log events the processes already write (`LogCounter`),
   whatever log level the process prints.
 
 All live in `REGISTRY`, served at `/metrics` by `workers.runtime.health`.
@@ -160,9 +160,6 @@ AUDIT_RECONNECTS = Counter(
     "Audit worker restarts after a Redis error.",
     registry=REGISTRY,
 )
-WEBHOOK_FAILURES = Counter(
-    "prompt_broker_webhook_failures", "Webhook delivery attempts that failed.", registry=REGISTRY
-)
 
 #: Log event -> (counter, the record attribute holding how many, or None for one).
 _LOGGED: dict[str, tuple[Counter, str | None]] = {
@@ -171,7 +168,6 @@ _LOGGED: dict[str, tuple[Counter, str | None]] = {
     "wait.demoted": (DEMOTED, None),
     "waiter.disconnected": (RESUBSCRIBES, None),
     "audit.disconnected": (AUDIT_RECONNECTS, None),
-    "webhooks.failed": (WEBHOOK_FAILURES, None),
 }
 
 
@@ -180,7 +176,6 @@ _COUNTED_LOGGERS = (
     "workers.runtime.replica",
     "broker.waiter",
     "workers.runtime.audit",
-    "web.webhooks",
 )
 
 
