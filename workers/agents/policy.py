@@ -4,6 +4,9 @@ Pure: no Redis. The replica builds a `Guard` per guarded turn from the worker's 
 (`Settings.policy_rules`) and the thread's policy (`Session.policy`), and turns it into the turn's
 gate (`workers.agents.harness.Gate`), awaiting `Guard.decide_async`.
 
+This module maps calls to effects and decides them. The rule model and the checking of a block
+are in `workers.agents.policy_rules`; its public names are importable from here too (`__all__`).
+
 Policy block
 ------------
 ```
@@ -93,8 +96,17 @@ from typing import Any, Literal
 import tree_sitter_bash
 from tree_sitter import Language, Node, Parser, Tree
 
-from broker import BadItem
 from workers.agents.harness import GateVerdict
+from workers.agents.policy_rules import (
+    ACTIONS,
+    MAX_ID,
+    Effect,
+    Policy,
+    Rule,
+    parse_policy,
+    parse_rules,
+    validate,
+)
 
 __all__ = [
     "ACTIONS",
@@ -125,16 +137,6 @@ __all__ = [
     "validate",
 ]
 
-Effect = Literal["read", "write", "exec", "network"]
-Action = Literal["allow", "deny", "ask"]
-Outside = Literal["", "work_folder", "outbox"]
-Origin = Literal["worker", "thread"]
-
-ACTIONS: tuple[Action, ...] = ("allow", "deny", "ask")
-_EFFECTS: tuple[Effect, ...] = ("read", "write", "exec", "network")
-_OUTSIDES: tuple[Outside, ...] = ("", "work_folder", "outbox")
-_RULE_KEYS = ("id", "effect", "action", "command", "outside")
-
 #: The pseudo-rule of a call denied because deciding it raised.
 EVALUATION_ERROR = "policy_evaluation_error"
 #: The pseudo-rule of a call asked because part of its command could not be checked.
@@ -143,8 +145,7 @@ UNCHECKED = "policy_unchecked"
 OUTBOX = "outbox"
 #: The most rules a `policy_applied` item lists.
 MAX_REPORTED = 100
-#: The longest rule id, and the longest detail a `policy_denied` item quotes.
-MAX_ID = 128
+#: The longest detail a `policy_denied` item quotes.
 MAX_DETAIL = 2000
 #: The longest command parsed (characters); a longer one is not looked into at all.
 MAX_COMMAND = 128 * 1024
@@ -173,102 +174,6 @@ CODEX_EFFECTS: dict[str, Effect] = {
 _PATH_KEYS = ("file_path", "notebook_path", "path")
 _PATTERN_KEYS: dict[str, tuple[str, ...]] = {"Glob": ("pattern",), "Grep": ("pattern", "glob")}
 _SHELLS = frozenset({"sh", "bash", "zsh", "dash", "ksh", "mksh", "fish", "busybox"})
-
-
-# -- the policy block ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One checked rule."""
-
-    id: str
-    effect: Effect
-    action: Action
-    command: tuple[str, ...] = ()
-    outside: Outside = ""
-    origin: Origin = "thread"
-
-
-@dataclass(frozen=True)
-class Policy:
-    """A thread's checked policy block."""
-
-    default: Action = "deny"
-    rules: tuple[Rule, ...] = ()
-
-
-def _choice(raw: Mapping[str, Any], key: str, allowed: Sequence[str], where: str) -> Any:
-    value = raw.get(key)
-    if not isinstance(value, str) or value not in allowed:
-        shown = ", ".join(repr(a) for a in allowed)
-        raise BadItem(f"{where}.{key}", f"expected one of {shown}, got {value!r}")
-    return value
-
-
-def _globs(raw: Mapping[str, Any], effect: str, where: str) -> tuple[str, ...]:
-    if "command" not in raw:
-        return ()
-    if effect != "exec":
-        raise BadItem(f"{where}.command", f"only exec rules take command globs, not {effect}")
-    value = raw["command"]
-    if not isinstance(value, list) or not value:
-        raise BadItem(f"{where}.command", "expected a non-empty list of globs (omit it for all)")
-    for j, glob in enumerate(value):
-        if not isinstance(glob, str) or not glob.strip():
-            raise BadItem(f"{where}.command[{j}]", "expected a non-empty glob string")
-    return tuple(value)
-
-
-def _rule(raw: object, where: str, origin: Origin) -> Rule:
-    if not isinstance(raw, Mapping):
-        raise BadItem(where, "expected a rule object ({id, effect, action, ...})")
-    for key in raw:
-        if key not in _RULE_KEYS:
-            raise BadItem(f"{where}.{key}", f"unknown field (a rule has {', '.join(_RULE_KEYS)})")
-    rule_id = raw.get("id")
-    if not isinstance(rule_id, str) or not rule_id.strip() or len(rule_id) > MAX_ID:
-        raise BadItem(f"{where}.id", f"expected a string of 1 to {MAX_ID} characters naming it")
-    effect = _choice(raw, "effect", _EFFECTS, where)
-    action = _choice(raw, "action", ACTIONS, where)
-    outside: Outside = _choice(raw, "outside", _OUTSIDES, where) if "outside" in raw else ""
-    if outside and effect not in ("read", "write"):
-        raise BadItem(f"{where}.outside", f"only read and write rules take outside, not {effect}")
-    return Rule(rule_id, effect, action, _globs(raw, effect, where), outside, origin)
-
-
-def parse_rules(raw: object, where: str, origin: Origin = "thread") -> tuple[Rule, ...]:
-    """Check a list of rules; `BadItem` names the first bad one as `<where>[i].<field>`."""
-    if not isinstance(raw, list):
-        raise BadItem(where, "expected a list of rules")
-    rules: list[Rule] = []
-    seen: dict[str, int] = {}
-    for i, item in enumerate(raw):
-        rule = _rule(item, f"{where}[{i}]", origin)
-        if rule.id in seen:
-            raise BadItem(
-                f"{where}[{i}].id", f"duplicate id {rule.id!r} (also at [{seen[rule.id]}])"
-            )
-        seen[rule.id] = i
-        rules.append(rule)
-    return tuple(rules)
-
-
-def parse_policy(raw: object, where: str = "policy") -> Policy:
-    """Check a thread's policy block; `BadItem` names the offending place under `where`."""
-    if not isinstance(raw, Mapping):
-        raise BadItem(where, 'expected an object: {"default": ..., "rules": [...]}')
-    for key in raw:
-        if key not in ("default", "rules"):
-            raise BadItem(f"{where}.{key}", "unknown field (a policy has default and rules)")
-    default: Action = _choice(raw, "default", ACTIONS, where) if "default" in raw else "deny"
-    rules = parse_rules(raw["rules"], f"{where}.rules") if "rules" in raw else ()
-    return Policy(default, rules)
-
-
-def validate(raw: object) -> None:
-    """Refuse a malformed policy block with `BadItem` naming the offending rule."""
-    parse_policy(raw)
 
 
 # -- commands ------------------------------------------------------------------------------------
