@@ -28,83 +28,9 @@ import redis
 from redis.asyncio import Redis
 
 from broker import Broker, Settings
+from workers.runtime.redis_server import RedisServer, free_port  # tests take both from here
 
 DEFAULT_URL = "redis://127.0.0.1:6379/13"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class RedisServer:
-    """A private redis-server process: tests may kill, restart or pause it."""
-
-    port: int
-    dir: Path
-    proc: subprocess.Popen[bytes] | None = None
-    appendonly: bool = True
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, *extra: str) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.skip("redis-server is not on PATH")
-        args = [
-            exe,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(self.dir),
-            "--save",
-            "",
-            "--appendonly",
-            "yes" if self.appendonly else "no",
-            "--appendfsync",
-            "always",
-            "--daemonize",
-            "no",
-            "--loglevel",
-            "warning",
-            *extra,
-        ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if redis.Redis(port=self.port, socket_timeout=0.5).ping():
-                    return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server on port {self.port} did not start")
-
-    def kill(self) -> None:
-        """SIGKILL: the server vanishes mid-whatever (AOF keeps what was written)."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(10)
-            self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-            self.proc = None
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()
 
 
 @pytest.fixture
@@ -112,6 +38,8 @@ def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]
     servers: list[RedisServer] = []
 
     def make(appendonly: bool = True) -> RedisServer:
+        if shutil.which("redis-server") is None:
+            pytest.skip("redis-server is not on PATH")
         d = tmp_path / f"redis-{len(servers)}"
         d.mkdir()
         server = RedisServer(free_port(), d, appendonly=appendonly)

@@ -33,16 +33,11 @@ import redis.asyncio
 
 from broker import Settings
 from broker.cli import CliError, fleet_record, read_local_fleet
+from workers.runtime.redis_server import RedisServer, free_port
 
 logger = logging.getLogger("workers.runtime.fleet")
 
-__all__ = ["FIRST_PORT", "EmbeddedRedis", "Fleet", "FleetError", "free_port"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["FIRST_PORT", "EmbeddedRedis", "Fleet", "FleetError"]
 
 
 def _answers(url: str) -> bool:
@@ -104,7 +99,7 @@ class EmbeddedRedis:
         self.url = ""
         self.kind = ""
         self.keeps_data = False
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._server: RedisServer | None = None
         self._adopted = False
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self._lock: IO[bytes] | None = None
@@ -209,32 +204,13 @@ class EmbeddedRedis:
             folder = Path(self._dir.name)
             log = ""
             self.kind = f"a private redis-server (AOF on, a throwaway folder) at {self.url}"
-        self._proc = subprocess.Popen(
-            [
-                exe,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(folder),
-                "--save",
-                "",
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "everysec",
-                "--daemonize",
-                "no",
-                "--logfile",
-                log,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            # Its own session: a Ctrl-C at the terminal reaches `up` only, which stops the
-            # replicas first (they park and release their threads) and Redis last.
-            start_new_session=True,
-        )
+        # AOF fsynced every second; its own session: a Ctrl-C at the terminal reaches `up` only,
+        # which stops the replicas first (they park and release their threads) and Redis last.
+        self._server = RedisServer(
+            port, folder, appendfsync="everysec", logfile=log, loglevel=None, exe=exe,
+            new_session=True,
+        )  # fmt: skip
+        self._server.spawn()
 
     def _start_fake(self, port: int) -> None:
         try:
@@ -256,25 +232,21 @@ class EmbeddedRedis:
     def _wait_up(self, within: float = 30.0) -> None:
         deadline = time.monotonic() + within
         while not _answers(self.url):
-            if self._proc is not None and self._proc.poll() is not None:
+            proc = self._server.proc if self._server is not None else None
+            if proc is not None and proc.poll() is not None:
                 where = f" (its log: {self.data_dir / 'redis.log'})" if self.data_dir else ""
                 raise FleetError(
                     f"the fleet's redis-server at {self.url} exited with status "
-                    f"{self._proc.returncode} as it started{where}"
+                    f"{proc.returncode} as it started{where}"
                 )
             if time.monotonic() > deadline:
                 raise FleetError(f"the fleet's Redis at {self.url} did not start in {within:.0f} s")
             time.sleep(0.05)
 
     def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.terminate()  # redis-server writes its AOF out and exits
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(10)
-            if self._proc.poll() is None:
-                self._proc.kill()
-                self._proc.wait(10)
-            self._proc = None
+        if self._server is not None:
+            self._server.stop()  # redis-server writes its AOF out and exits
+            self._server = None
         if self._adopted:
             with contextlib.suppress(redis.RedisError, OSError):
                 redis.Redis.from_url(self.url, socket_timeout=5).shutdown()
