@@ -35,13 +35,13 @@ from tests.helpers import of_type, outputs, truthy, until
 from tests.runtime.test_replica import Fleet, Running, session, status_is
 from workers.agents import claude_calls
 from workers.agents.claude import (
-    PARKED_APPROVAL,
     ClaudeHarness,
     RedisSessionStore,
     ask_questions,
     parse_config,
     updated_input,
 )
+from workers.agents.claude_answers import PARKED_APPROVAL
 from workers.agents.claude_launch import descendants
 from workers.agents.harness import GateVerdict, Interruption, Resume, Turn, TurnResult
 from workers.demo.fakes.anthropic import (

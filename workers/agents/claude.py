@@ -128,7 +128,6 @@ import sys
 import tempfile
 import warnings
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -149,7 +148,6 @@ from claude_agent_sdk import (
     PermissionResultDeny,
     ResultMessage,
     SessionKey,
-    SessionListSubkeysKey,
     SessionStore,
     SessionStoreEntry,
     SystemMessage,
@@ -160,10 +158,31 @@ from claude_agent_sdk import (
     UserMessage,
 )
 
-from broker import Answer, BadItem, Option, PromptCancelled, PromptUnavailable, verdict
-from broker.answers import NEGATIVE, is_affirmative
+from broker import Answer, BadItem, PromptCancelled, PromptUnavailable, verdict
 from broker.models import Question
 from workers.agents import claude_calls, claude_launch
+from workers.agents.claude_answers import (
+    AGENT,
+    ASK_TOOL,
+    PARKED_APPROVAL,
+    PARKED_QUESTION,
+    PAUSING,
+    ask_questions,
+    cancelled,
+    denial_words,
+    denied,
+    not_delivered,
+    question_key,
+    updated_input,
+)
+from workers.agents.claude_config import (
+    DEFAULT_MAX_TURNS,
+    HARNESS,
+    ClaudeConfig,
+    parse_config,
+    validate_config,
+)
+from workers.agents.claude_store import RedisSessionStore
 from workers.agents.harness import AgentStore, PromptParked, Turn, TurnResult, approval_question
 
 __all__ = [
@@ -185,14 +204,8 @@ logger = logging.getLogger("workers.agents.claude")
 # warning is wrong for AskUserQuestion, which still reaches it.
 warnings.filterwarnings("ignore", category=CanUseToolShadowedWarning)
 
-HARNESS = "claude_code"
-AGENT = "Claude"
-ASK_TOOL = "AskUserQuestion"
-DEFAULT_MAX_TURNS = 50
 #: A held question waits in the PreToolUse hook: give it a week (below the CLI's timer limit).
 HOOK_TIMEOUT = 7 * 24 * 3600.0
-#: How long an ask waits for the call's transcript entry to reach the store.
-MIRROR_WAIT = 5.0
 #: How long a resumed session gets to start replaying its deferred call.
 REPLAY_GRACE = 15.0
 #: How long a run may go on after one of its waits parked.
@@ -204,7 +217,6 @@ QUIET_ENV = {
     "DISABLE_AUTOUPDATER": "1",
     "DISABLE_ERROR_REPORTING": "1",
 }
-_CONFIG_KEYS = ("base_url", "api_key", "model", "max_turns")
 #: Guarded mode's flag settings: a command hook that answers "ask" for every tool call, so that
 #: Claude Code's own engine allows nothing silently (reads, read-only shell commands) and every
 #: call reaches the permission callback, where the gate decides. A settings hook is loaded when
@@ -236,277 +248,6 @@ ASK_EVERY_CALL = json.dumps(
         }
     }
 )
-
-
-# -- config --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ClaudeConfig:
-    base_url: str | None = None
-    api_key: str | None = None
-    model: str | None = None
-    max_turns: int = DEFAULT_MAX_TURNS
-
-
-def parse_config(config: object) -> ClaudeConfig:
-    """A thread's Claude config, checked; `BadItem` names the field."""
-    if not isinstance(config, dict):
-        raise BadItem("config", "expected an object")
-    for key in config:
-        if key not in _CONFIG_KEYS:
-            raise BadItem(
-                f"config.{key}", f"unknown key; claude_code takes {', '.join(_CONFIG_KEYS)}"
-            )
-    for key in ("base_url", "api_key", "model"):
-        value = config.get(key)
-        if value is not None and (not isinstance(value, str) or not value):
-            raise BadItem(f"config.{key}", "expected a non-empty string")
-    turns = config.get("max_turns", DEFAULT_MAX_TURNS)
-    if type(turns) is not int or turns < 1:
-        raise BadItem("config.max_turns", "expected a positive integer")
-    return ClaudeConfig(config.get("base_url"), config.get("api_key"), config.get("model"), turns)
-
-
-def validate_config(config: dict[str, Any]) -> None:
-    """Refuse a config the Claude harness cannot run, with `BadItem` naming the field."""
-    parse_config(config)
-
-
-# -- questions and answers -----------------------------------------------------------------------
-
-
-def _fold(text: str) -> str:
-    return " ".join(text.split()).casefold()
-
-
-def _raw_questions(tool_input: dict[str, Any]) -> list[dict[str, Any]]:
-    raw = tool_input.get("questions")
-    if not isinstance(raw, list) or not raw:
-        raise BadItem("questions", "AskUserQuestion needs a non-empty list of questions")
-    for i, q in enumerate(raw):
-        if not isinstance(q, dict) or not isinstance(q.get("question"), str):
-            raise BadItem(f"questions[{i}].question", "expected a string")
-    return raw
-
-
-def ask_questions(tool_input: dict[str, Any]) -> list[Question]:
-    """The prompt's questions for an AskUserQuestion input, texts shared by several numbered."""
-    raw = _raw_questions(tool_input)
-    counts: dict[str, int] = {}
-    for q in raw:
-        counts[q["question"]] = counts.get(q["question"], 0) + 1
-    seen: dict[str, int] = {}
-    out = []
-    for q in raw:
-        text = q["question"]
-        seen[text] = seen.get(text, 0) + 1
-        if counts[text] > 1:
-            text = f"{text} [{seen[text]}/{counts[text]}]"
-        options = [
-            Option(label=str(o.get("label", "")), description=str(o.get("description") or ""))
-            for o in q.get("options") or []
-            if isinstance(o, dict)
-        ]
-        out.append(
-            Question(
-                question=text,
-                header=str(q.get("header") or ""),
-                options=options,
-                multiSelect=q.get("multiSelect") is True,
-            )
-        )
-    return out
-
-
-def _one_answer(q: dict[str, Any], given: Sequence[str]) -> tuple[str, dict[str, str]]:
-    """One question's answer value and annotation: labels (canonical), else the free text."""
-    options = [o for o in q.get("options") or [] if isinstance(o, dict)]
-    by_fold = {_fold(str(o.get("label", ""))): o for o in options}
-    picked = [by_fold[_fold(a)] for a in given if _fold(a) in by_fold]
-    rest = [a.strip() for a in given if _fold(a) not in by_fold and a.strip()]
-    if not picked:
-        return ", ".join(rest), {}
-    note: dict[str, str] = {}
-    if rest:
-        note["notes"] = " ".join(rest)
-    previews = [o["preview"] for o in picked if isinstance(o.get("preview"), str)]
-    if len(picked) == 1 and previews:
-        note["preview"] = previews[0]
-    return ", ".join(str(o["label"]) for o in picked), note
-
-
-def updated_input(tool_input: dict[str, Any], answers: Sequence[Answer]) -> dict[str, Any]:
-    """The AskUserQuestion input with the person's answers, as the SDK documents it.
-
-    Answers are taken by position (one per question, as the broker returns them).
-    """
-    raw = _raw_questions(tool_input)
-    values: dict[str, list[str]] = {}
-    notes: dict[str, dict[str, str]] = {}
-    for i, q in enumerate(raw):
-        given = answers[i].answer if i < len(answers) else []
-        value, note = _one_answer(q, given)
-        text = q["question"]
-        if value:
-            values.setdefault(text, []).append(value)
-        if note:
-            notes.setdefault(text, {}).update(note)
-    counts: dict[str, int] = {}
-    for q in raw:
-        counts[q["question"]] = counts.get(q["question"], 0) + 1
-    result: dict[str, str] = {}
-    for text, parts in values.items():
-        result[text] = "; ".join(parts)
-        if counts[text] > 1:
-            shared = (
-                f"This question was asked {counts[text]} times with the same text; the answers "
-                "given are in question order, separated by '; '."
-            )
-            previous = notes.get(text, {}).get("notes")
-            notes.setdefault(text, {})["notes"] = f"{previous} {shared}" if previous else shared
-    out = {**tool_input, "answers": result}
-    if notes:
-        annotations = dict(tool_input.get("annotations") or {})
-        for text, note in notes.items():
-            annotations[text] = {**(annotations.get(text) or {}), **note}
-        out["annotations"] = annotations
-    return out
-
-
-def _question_key(tool_input: dict[str, Any]) -> str:
-    """The question texts of an AskUserQuestion input: the same texts ask the same thing."""
-    return "\n".join(q["question"] for q in _raw_questions(tool_input))
-
-
-def _words(answers: Sequence[Answer], typed: str = "") -> str | None:
-    """A denial's words: the typed reply, else extra strings of a structured answer; never a bare
-    negative."""
-    candidates = [typed.strip()] if typed.strip() else []
-    if answers:
-        candidates += [a.strip() for a in answers[0].answer[1:] if a.strip()]
-    words = " ".join(
-        w for w in candidates if w.casefold() not in NEGATIVE and not is_affirmative(w)
-    )
-    return words or None
-
-
-def _denied(tool: str, words: str | None) -> str:
-    said = f' Their words: "{words}"' if words else ""
-    return f"The person denied this {tool} call.{said} Do not retry it; choose another approach."
-
-
-def _not_delivered(e: PromptUnavailable | BadItem) -> str:
-    cause = e.cause if isinstance(e, PromptUnavailable) else e
-    return f"could not be delivered to a person ({cause})"
-
-
-def _cancelled(e: PromptCancelled) -> str:
-    return f"was cancelled ({e.reason or 'no reason given'}) before anyone answered"
-
-
-PARKED_APPROVAL = (
-    "Approval unavailable: the request is waiting for a person who has not answered yet, and this "
-    "run pauses until they do. Nobody refused this call. Make the same call again to wait for "
-    "their answer."
-)
-PARKED_QUESTION = (
-    "Unanswered: the question is waiting for a person who has not answered yet, and this run "
-    "pauses until they do. Nobody refused to answer. Ask the same question again to wait for "
-    "their answer."
-)
-PAUSING = (
-    "Not run: this run is pausing until a person answers an earlier request. Nobody refused this "
-    "call; make it again later."
-)
-
-
-# -- the transcript store ------------------------------------------------------------------------
-
-
-class RedisSessionStore:
-    """The SDK's `SessionStore` over a thread's agent store (`Turn.store`, in Redis).
-
-    Keys are `claude:<session_id>[:<subpath>]`: the thread scopes them, so the SDK's
-    `project_key` (derived from the working directory, which may differ between replicas) is not
-    part of the key. Entries with a `uuid` are appended once (the SDK's idempotency key).
-    Only `append`, `load` and `list_subkeys` are implemented (the SDK probes for the others).
-    It also records which tool calls have reached the store, so an ask can wait for its call's
-    transcript entry before it (and its resume state) is posted.
-    """
-
-    def __init__(self, store: AgentStore) -> None:
-        self._store = store
-        self._uuids: dict[str, set[str]] = {}
-        self._subkeys: set[str] = set()
-        self._tool_uses: set[str] = set()
-        self._changed = asyncio.Event()
-
-    @staticmethod
-    def _key(key: SessionKey | SessionListSubkeysKey) -> str:
-        subpath = cast(dict[str, Any], key).get("subpath")
-        return f"claude:{key['session_id']}" + (f":{subpath}" if subpath else "")
-
-    async def _seen(self, name: str) -> set[str]:
-        if name not in self._uuids:
-            loaded = await self._store.load(name) or []
-            self._uuids[name] = {
-                str(e["uuid"]) for e in loaded if isinstance(e, dict) and e.get("uuid")
-            }
-        return self._uuids[name]
-
-    async def append(self, key: SessionKey, entries: list[SessionStoreEntry]) -> None:
-        name = self._key(key)
-        seen = await self._seen(name)
-        fresh = []
-        for entry in entries:
-            uuid = entry.get("uuid")
-            if uuid:
-                if uuid in seen:
-                    continue
-                seen.add(uuid)
-            fresh.append(entry)
-        if not fresh:
-            return
-        subpath = cast(dict[str, Any], key).get("subpath")
-        if subpath and name not in self._subkeys:
-            await self._store.append(f"claude:{key['session_id']}:subkeys", [subpath])
-            self._subkeys.add(name)
-        await self._store.append(name, fresh)
-        self._note_tool_uses(fresh)
-
-    def _note_tool_uses(self, entries: Sequence[Any]) -> None:
-        for entry in entries:
-            message = entry.get("message") if entry.get("type") == "assistant" else None
-            content = message.get("content") if isinstance(message, dict) else None
-            for block in content if isinstance(content, list) else []:
-                if isinstance(block, dict) and block.get("type") == "tool_use":
-                    self._tool_uses.add(str(block.get("id")))
-        self._changed.set()
-
-    async def load(self, key: SessionKey) -> list[SessionStoreEntry] | None:
-        loaded = await self._store.load(self._key(key))
-        if loaded:
-            self._uuids[self._key(key)] = {str(e["uuid"]) for e in loaded if e.get("uuid")}
-            self._note_tool_uses(loaded)
-        return loaded
-
-    async def list_subkeys(self, key: SessionListSubkeysKey) -> list[str]:
-        loaded = await self._store.load(f"claude:{key['session_id']}:subkeys") or []
-        return list(dict.fromkeys(str(s) for s in loaded))
-
-    async def stored(self, tool_use_id: str, within: float = MIRROR_WAIT) -> bool:
-        """Wait (bounded) until the transcript entry holding this tool call is in the store."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within
-        while tool_use_id not in self._tool_uses:
-            self._changed.clear()
-            left = deadline - loop.time()
-            if left <= 0:
-                return False
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), left)
-        return True
 
 
 # -- one turn ------------------------------------------------------------------------------------
@@ -695,12 +436,12 @@ class _Run:
         """AskUserQuestion: ask, and answer in the SDK's shape (a park re-raises)."""
         try:
             questions = ask_questions(tool_input)
-            key = _question_key(tool_input)
+            key = question_key(tool_input)
             answers = await self.ask("ask_user_question", questions, call, ASK_TOOL, key)
         except PromptCancelled as e:
-            why = _cancelled(e)
+            why = cancelled(e)
         except (PromptUnavailable, BadItem) as e:
-            why = _not_delivered(e)
+            why = not_delivered(e)
         else:
             return PermissionResultAllow(updated_input=updated_input(tool_input, answers))
         return PermissionResultDeny(
@@ -716,13 +457,13 @@ class _Run:
         except PromptParked:
             return PermissionResultDeny(message=PARKED_APPROVAL)
         except PromptCancelled as e:
-            why = _cancelled(e)
+            why = cancelled(e)
         except (PromptUnavailable, BadItem) as e:
-            why = _not_delivered(e)
+            why = not_delivered(e)
         else:
             if verdict(answers) == "approve":
                 return PermissionResultAllow()
-            return PermissionResultDeny(message=_denied(tool, _words(answers)))
+            return PermissionResultDeny(message=denied(tool, denial_words(answers)))
         return PermissionResultDeny(
             message=f"Approval unavailable: the request {why}. Nobody refused this call; make it "
             "again to ask again."
@@ -758,7 +499,7 @@ class _Run:
             return False
         try:
             if tool == ASK_TOOL:
-                return _question_key(tool_input) == before.key
+                return question_key(tool_input) == before.key
         except BadItem:
             return False
         return approval_question(tool, tool_input, agent=AGENT).grant_key == before.key
@@ -782,7 +523,9 @@ class _Run:
         if tool == ASK_TOOL:
             return PermissionResultAllow(updated_input=updated_input(tool_input, resume.answers))
         if (resume.verdict or verdict(resume.answers)) != "approve":
-            return PermissionResultDeny(message=_denied(tool, _words(resume.answers, resume.text)))
+            return PermissionResultDeny(
+                message=denied(tool, denial_words(resume.answers, resume.text))
+            )
         return await self.approval(tool, tool_input, self.replayed or "")  # the grant answers
 
     # -- callbacks -------------------------------------------------------------------------
