@@ -38,6 +38,7 @@ from workers.agents.harness import (
     approval_question,
 )
 from workers.agents.scripted import ScriptedHarness, validate_config
+from workers.agents.scripted_script import DEFAULT_SCRIPT
 
 # -- helpers -------------------------------------------------------------------------------------
 
@@ -629,7 +630,7 @@ def test_validate_config_checks_a_readable_script_file(tmp_path: Path) -> None:
             {"sleep": 1},
             {"sleep": 0.25},
         ),
-        {"script": scripted.DEFAULT_SCRIPT},
+        {"script": DEFAULT_SCRIPT},
     ],
     ids=["empty", "no-turns", "every-step", "default"],
 )
