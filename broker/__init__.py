@@ -4,7 +4,8 @@ The front door: everything a caller needs is importable from here.
 """
 
 from broker.answers import map_text, render_content, verdict
-from broker.client import LIMITS, Broker
+from broker.checks import LIMITS
+from broker.client import Broker
 from broker.errors import (
     BadItem,
     BrokerClosed,

@@ -1,0 +1,93 @@
+"""The ground the `Broker`'s parts stand on: `BrokerBase` (the state they share), `_reaching`
+(redis-py's outage errors as `BrokerUnavailable`, so a public method raises only our own
+errors) and new ids.
+
+The `Broker` (broker/client.py) is one class made of parts, each a module of its own: the
+reads (broker/reads.py), waiting and delivery (broker/delivery.py), routing what people post
+(broker/routing.py); asking, cancelling and the lifecycle stay in the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, ParamSpec, TypeVar
+
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from ulid import ULID
+
+from broker._scripts import Scripts
+from broker._waiter import Waiter
+from broker.errors import BrokerClosed, BrokerError, BrokerUnavailable
+from broker.keys import Keys, ThreadKeys
+from broker.settings import Settings
+
+__all__ = ["BrokerBase"]
+
+#: What "Redis could not be reached" looks like from redis-py (and the OS under it).
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+#: Redis answered, but will not write: over `maxmemory`, or a replica that became read-only.
+_REFUSING = (OutOfMemoryError, ReadOnlyError)
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _reaching(
+    what: str, took_effect: bool | None
+) -> Callable[[Callable[_P, Awaitable[_R]]], Callable[_P, Coroutine[Any, Any, _R]]]:
+    """Turn redis-py's "cannot reach Redis" and "Redis will not write" into `BrokerUnavailable`,
+    so a public method raises only our own errors. `took_effect` is what is known of the call
+    when that happens (False: nothing was written; None: unknown)."""
+
+    def decorate(fn: Callable[_P, Awaitable[_R]]) -> Callable[_P, Coroutine[Any, Any, _R]]:
+        @functools.wraps(fn)
+        async def reaching(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            try:
+                return await fn(*args, **kwargs)
+            except BrokerError:
+                raise  # BrokerUnavailable is an OSError too: ours already
+            except TimeoutError:
+                raise  # the builtin one is an OSError: a caller's timeout, not an outage
+            except _REFUSING as e:
+                # Redis refuses a write before making it, and each of our steps that can be
+                # refused is one script or one MULTI: refused, it did nothing.
+                raise BrokerUnavailable(what, e, False, refused=True) from e
+            except _UNREACHABLE as e:
+                raise BrokerUnavailable(what, e, took_effect) from e
+
+        return reaching
+
+    return decorate
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{ULID()}"
+
+
+class BrokerBase:
+    """What every part of the `Broker` shares: the state `Broker.__init__` sets (declared here, so
+    each part type-checks on its own) and the two steps a call begins with."""
+
+    settings: Settings
+    redis: Redis
+    keys: Keys
+    identity: str
+    _scripts: Scripts
+    _waiter: Waiter
+    _closed: bool
+    _deliveries: set[asyncio.Task[None]]
+    # The stream trimming policy every script that adds an item applies (_retain.lua).
+    _retention: tuple[int, int]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BrokerClosed
+
+    def thread(self, thread_id: str) -> ThreadKeys:
+        return self.keys.thread(thread_id)
