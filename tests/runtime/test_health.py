@@ -50,6 +50,7 @@ def test_fleet_status(env: dict[str, str]) -> None:
         assert replica["held_waits"] == 1 and replica["parked_waits"] == 0
         assert fleet["open_prompts"] == 1 and fleet["open_by_kind"] == {"ask_user_question": 1}
         assert fleet["oldest_open"].startswith("t1/prm_") and fleet["threads_unheld"] == 0
+        assert fleet["oldest_unheld"] is None and fleet["oldest_unheld_age_s"] == 0
         human = cli("status", env=env)
         assert human.returncode == 0, human.stderr
         assert "replicas: 1 live of 1 recorded" in human.stdout
@@ -59,7 +60,12 @@ def test_fleet_status(env: dict[str, str]) -> None:
 
         worker.send_signal(signal.SIGSTOP)  # paused past its lease: its record lapses
         eventually(lambda: status(env)["replicas_live"] == 0, "the paused replica not live")
-        assert status(env)["threads_unheld"] == 1
+        paused = status(env)
+        assert paused["threads_unheld"] == 1
+        # Its prompt is now one whose answer reaches nobody until a replica adopts the thread.
+        assert paused["oldest_unheld"] == paused["oldest_open"]
+        assert paused["oldest_unheld_age_s"] > 0
+        assert "oldest prompt no live replica holds: t1/prm_" in cli("status", env=env).stdout
         worker.send_signal(signal.SIGCONT)
 
 

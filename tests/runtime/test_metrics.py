@@ -69,6 +69,9 @@ async def test_fleet_metrics_follow_prompts_and_resolutions(broker: Broker, scra
     assert await scrape("prompt_broker_open_prompts", kind="ask_user_question") == 2
     assert await scrape("prompt_broker_open_prompts", kind="approval") == 0
     assert await scrape("prompt_broker_oldest_open_prompt_age_seconds") >= 0.3
+    # Asked through the library on threads with no session: no replica's to hold, not unheld
+    # (test_health.py shows a paused replica's prompt counted).
+    assert await scrape("prompt_broker_oldest_unheld_prompt_age_seconds") == 0
 
     await broker.post_item("t1", text("2"), surface="cli")
     await broker.cancel("t2", "changed my mind")

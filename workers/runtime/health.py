@@ -161,6 +161,7 @@ async def serve_audit_ops(settings: Settings, port: int | None = None) -> AsyncI
     metrics.count_logs()
     port = ops_port() if port is None else port
     deadline = _env_number(DEADLINE_ENV, 0)
+    metrics.PROMPT_DEADLINE.set(deadline)
     if not port:
         if not deadline:
             yield 0

@@ -57,6 +57,18 @@ OLDEST_OPEN = Gauge(
     "Age of the oldest open prompt (0 when none is open).",
     registry=REGISTRY,
 )
+OLDEST_UNHELD = Gauge(
+    "prompt_broker_oldest_unheld_prompt_age_seconds",
+    "Age of the oldest open prompt on a thread no live replica holds (0 when none): its "
+    "answer would reach nobody until a replica adopts the thread.",
+    registry=REGISTRY,
+)
+PROMPT_DEADLINE = Gauge(
+    "prompt_broker_prompt_deadline_seconds",
+    "The fleet-wide prompt deadline the audit worker enforces (PROMPT_BROKER_OPS_PROMPT_DEADLINE;"
+    " 0: none), for alerting on a prompt older than it.",
+    registry=REGISTRY,
+)
 WAITS = Gauge(
     "prompt_broker_waits",
     "Agent waits on open prompts: held (a live turn blocked in place) or parked (turn ended).",
@@ -325,6 +337,7 @@ def publish(status: FleetStatus) -> None:
     for kind in _kinds:  # a kind with no open prompt left reads 0, not its last count
         OPEN_PROMPTS.labels(kind).set(status.open_by_kind.get(kind, 0))
     OLDEST_OPEN.set(status.oldest_open_age_s)
+    OLDEST_UNHELD.set(status.oldest_unheld_age_s)
     WAITS.labels("held").set(status.held_waits)
     WAITS.labels("parked").set(status.parked_waits)
     THREADS.set(status.threads)

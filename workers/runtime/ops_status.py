@@ -63,6 +63,8 @@ class FleetStatus:
     open_by_kind: dict[str, int] = field(default_factory=dict)
     oldest_open: str | None = None  # `T/prompt_id`
     oldest_open_age_s: float = 0.0
+    oldest_unheld: str | None = None  # the oldest open prompt on a thread no live replica holds
+    oldest_unheld_age_s: float = 0.0
     audit_backlog: int = 0
     audit_lag_s: float = 0.0  # age of the oldest resolution whose audit item is not posted
 
@@ -163,15 +165,18 @@ async def _pending(redis: Redis, keys: Keys, members: list[str]) -> list[tuple[s
     return found
 
 
-def _tally(status: FleetStatus, rows: list[tuple[str, str, str]]) -> None:
+def _tally(status: FleetStatus, threads: list[str], rows: list[tuple[str, str, str]]) -> set[str]:
+    """Count the sessions into `status`; returns the threads no live replica holds."""
     by_id = {r.id: r for r in status.replicas}
-    for owner, state, wait in rows:
+    unheld: set[str] = set()
+    for thread_id, (owner, state, wait) in zip(threads, rows, strict=True):
         if state == "closed":
             continue
         status.threads += 1
         replica = by_id.get(owner)
         if replica is None or not replica.live:
             status.threads_unheld += 1
+            unheld.add(thread_id)
         held = state == "running" and bool(wait)
         parked = state == "parked"
         running = state == "running" and not wait
@@ -183,6 +188,7 @@ def _tally(status: FleetStatus, rows: list[tuple[str, str, str]]) -> None:
             replica.held_waits += held
             replica.parked_waits += parked
             replica.turns_running += running
+    return unheld
 
 
 async def fleet_status(redis: Redis, keys: Keys, ttl_ms: int) -> FleetStatus:
@@ -195,7 +201,7 @@ async def fleet_status(redis: Redis, keys: Keys, ttl_ms: int) -> FleetStatus:
         for r, rec in replicas.items()
     ]
     threads = await _thread_ids(redis, keys, replicas)
-    _tally(status, await _sessions(redis, keys, threads))
+    unheld = _tally(status, threads, await _sessions(redis, keys, threads))
     pipe = redis.pipeline(transaction=False)
     pipe.zrange(keys.open, 0, -1, withscores=True)
     pipe.zcard(keys.audit)
@@ -208,6 +214,11 @@ async def fleet_status(redis: Redis, keys: Keys, ttl_ms: int) -> FleetStatus:
     if pending:
         status.oldest_open = pending[0][0]
         status.oldest_open_age_s = max(0.0, (now - created[pending[0][0]]) / 1000)
+    for member, _ in pending:  # in index order: the first on an unheld thread is the oldest
+        if Keys.split_member(member)[0] in unheld:
+            status.oldest_unheld = member
+            status.oldest_unheld_age_s = max(0.0, (now - created[member]) / 1000)
+            break
     status.audit_backlog = int(backlog)
     if oldest_audit:
         status.audit_lag_s = max(0.0, (now - float(oldest_audit[0][1])) / 1000)
@@ -249,6 +260,11 @@ def render(status: FleetStatus, *, as_json: bool = False) -> str:
     if status.oldest_open:
         lines.append(
             f"oldest open prompt: {status.oldest_open}, {_age(status.oldest_open_age_s)} old"
+        )
+    if status.oldest_unheld:
+        lines.append(
+            f"oldest prompt no live replica holds: {status.oldest_unheld}, "
+            f"{_age(status.oldest_unheld_age_s)} old"
         )
     lag = f", oldest {_age(status.audit_lag_s)}" if status.audit_backlog else ""
     lines.append(f"audit backlog: {status.audit_backlog}{lag}")
