@@ -26,7 +26,7 @@ from typing import Any
 from ulid import ULID
 
 from broker import Broker, Item, Prompt, Settings
-from broker.cli import render_item
+from broker.cli_render import render_item
 from workers.demo.cases import Case, Rig, agent_rig
 from workers.runtime.fleet import Fleet
 
