@@ -90,10 +90,23 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlparse
 
 from broker import Answer, BadItem, Kind, Option, PromptCancelled, PromptUnavailable, Question
 from broker.answers import is_affirmative
+from workers.agents.codex_config import (
+    DEFAULT_FEATURES,
+    HOME_PREFIX,
+    KEY_ENV,
+    OWNER,
+    PINNED_VERSION,
+    SANDBOX_POLICY,
+    CodexConfig,
+    config_toml,
+    find_codex,
+    parse_config,
+    sweep_homes,
+    validate_config,
+)
 from workers.agents.codex_transcript import (
     CALLS_KEY,
     Call,
@@ -136,9 +149,6 @@ __all__ = [
     "validate_config",
 ]
 
-#: The Codex CLI version whose protocol this harness speaks (package.json pins it).
-PINNED_VERSION = "0.171.0"
-
 COMMAND = "item/commandExecution/requestApproval"
 FILE_CHANGE = "item/fileChange/requestApproval"
 PERMISSIONS = "item/permissions/requestApproval"
@@ -149,141 +159,14 @@ APPROVAL_METHODS = (COMMAND, FILE_CHANGE, PERMISSIONS)
 #: `session`). Only a structured answer can pick it: typed text maps to Approve or Deny.
 SESSION_LABEL = "Approve for this session"
 
-#: Codex features the harness turns on: questions outside Plan mode, and the permissions tool.
-DEFAULT_FEATURES = ("default_mode_request_user_input", "request_permissions_tool")
-
-_POLICIES = ("on-request", "untrusted")
-_SANDBOXES = ("read-only", "workspace-write", "danger-full-access")
-_SANDBOX_POLICY = {
-    "read-only": {"type": "readOnly"},
-    "workspace-write": {"type": "workspaceWrite"},
-    "danger-full-access": {"type": "dangerFullAccess"},
-}
-_KEY_ENV = "PB_CODEX_API_KEY"
 _ROLLOUT = re.compile(r"sessions/[A-Za-z0-9_./-]+\.jsonl")
 _STDOUT_LIMIT = 64 * 1024 * 1024  # one JSON-RPC line (a resumed thread's history can be large)
 _START_TIMEOUT = 60.0  # seconds for the app-server to answer initialize / thread / turn start
 _EXIT_GRACE = 5.0  # seconds for the app-server to exit once its stdin is closed
-_HOME_PREFIX = "pb-codex-"
-_OWNER = "owner.pid"  # in each CODEX_HOME: the replica process's pid, for `sweep_homes`
 
 #: A hook for tests and benchmarks: `trace(event, data)` with events `spawn` `{pid, thread_id}`,
 #: `recv` / `send` `{pid, msg}` (every JSON-RPC message) and `exit` `{pid, rc}`.
 Trace = Callable[[str, dict[str, Any]], None]
-
-
-# -- finding the CLI -------------------------------------------------------------------------
-
-
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
-
-
-def find_codex(explicit: str | None = None) -> str | None:
-    """The Codex binary: `explicit`, `$CODEX_BIN`, the repo's pinned npm install (its native
-    binary, so no node shim sits between us and Codex), its `.bin/codex`, or `codex` on PATH."""
-    for candidate in (explicit, os.environ.get("CODEX_BIN")):
-        if candidate:
-            return candidate if os.access(candidate, os.X_OK) else None
-    modules = _repo_root() / "node_modules"
-    for native in sorted(modules.glob("@openai/codex-*/vendor/*/bin/codex")):
-        if os.access(native, os.X_OK):
-            return str(native)
-    shim = modules / ".bin" / "codex"
-    if os.access(shim, os.X_OK):
-        return str(shim)
-    return shutil.which("codex")
-
-
-# -- config ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CodexConfig:
-    """A thread's Codex config, checked."""
-
-    model: str | None = None
-    base_url: str | None = None
-    api_key: str | None = None
-    api_key_env: str | None = None
-    approval_policy: str = "on-request"
-    sandbox: str = "workspace-write"
-
-
-_KEYS = ("model", "base_url", "api_key", "api_key_env", "approval_policy", "sandbox")
-
-
-def parse_config(config: object) -> CodexConfig:
-    """Check a thread's Codex config; `BadItem` names the offending field."""
-    if not isinstance(config, dict):
-        raise BadItem("config", "expected an object")
-    for key, value in config.items():
-        if key not in _KEYS:
-            raise BadItem(
-                f"config.{key}", f"unknown key; the codex harness takes {', '.join(_KEYS)}"
-            )
-        if not isinstance(value, str) or not value:
-            raise BadItem(f"config.{key}", "expected a non-empty string")
-    base_url = config.get("base_url")
-    if base_url is not None:
-        url = urlparse(base_url)
-        if url.scheme not in ("http", "https") or not url.netloc:
-            raise BadItem("config.base_url", "expected an http(s) URL such as http://host/v1")
-    if "api_key" in config and "api_key_env" in config:
-        raise BadItem("config", "give api_key or api_key_env, not both")
-    policy = config.get("approval_policy", "on-request")
-    if policy not in _POLICIES:
-        raise BadItem("config.approval_policy", f"expected one of {', '.join(_POLICIES)}")
-    sandbox = config.get("sandbox", "workspace-write")
-    if sandbox not in _SANDBOXES:
-        raise BadItem("config.sandbox", f"expected one of {', '.join(_SANDBOXES)}")
-    return CodexConfig(
-        model=config.get("model"),
-        base_url=base_url,
-        api_key=config.get("api_key"),
-        api_key_env=config.get("api_key_env"),
-        approval_policy=policy,
-        sandbox=sandbox,
-    )
-
-
-def validate_config(config: dict[str, Any]) -> None:
-    """Refuse a config the codex harness cannot run (`BadItem` names the field)."""
-    parse_config(config)
-
-
-def _toml(value: str) -> str:
-    return json.dumps(value)  # a JSON string is a valid TOML basic string
-
-
-def config_toml(
-    cfg: CodexConfig, features: Sequence[str] = DEFAULT_FEATURES, *, has_key: bool = True
-) -> str:
-    """`$CODEX_HOME/config.toml` for one turn: the provider, and nothing that phones home.
-
-    The key itself is never written: Codex reads it from `$PB_CODEX_API_KEY` (`has_key`).
-    """
-    lines = []
-    if cfg.model:
-        lines.append(f"model = {_toml(cfg.model)}")
-    if cfg.base_url:
-        lines.append('model_provider = "prompt_broker"')
-    lines.append("suppress_unstable_features_warning = true")
-    if cfg.base_url:
-        lines += [
-            "",
-            "[model_providers.prompt_broker]",
-            'name = "prompt-broker thread provider"',
-            f"base_url = {_toml(cfg.base_url)}",
-            'wire_api = "responses"',
-            "supports_websockets = false",
-        ]
-        if has_key:
-            lines.append(f"env_key = {_toml(_KEY_ENV)}")
-    lines += ["", "[analytics]", "enabled = false", "", "[feedback]", "enabled = false"]
-    lines += ["", "[features]", "plugins = false", "remote_plugin = false", "apps = false"]
-    lines += [f"{name} = true" for name in features]
-    return "\n".join(lines) + "\n"
 
 
 # -- questions -------------------------------------------------------------------------------
@@ -715,7 +598,7 @@ class _Run:
                 "threadId": self.thread_id,
                 "input": [{"type": "text", "text": text, "text_elements": []}],
                 "approvalPolicy": self.policy,
-                "sandboxPolicy": _SANDBOX_POLICY[self.sandbox],
+                "sandboxPolicy": SANDBOX_POLICY[self.sandbox],
             },
             _START_TIMEOUT,
         )
@@ -822,9 +705,9 @@ class _Run:
         (self.home / "config.toml").write_text(toml)
         env = dict(os.environ)
         env["CODEX_HOME"] = str(self.home)
-        env.pop(_KEY_ENV, None)
+        env.pop(KEY_ENV, None)
         if key is not None:
-            env[_KEY_ENV] = key
+            env[KEY_ENV] = key
         with self.stderr.open("wb") as err:
             self.proc = await asyncio.create_subprocess_exec(
                 self.binary,
@@ -1417,32 +1300,6 @@ def _decision(answers: Sequence[Answer]) -> Decision:
     return "accept" if is_affirmative(label) else "decline"
 
 
-def sweep_homes(root: str | None = None) -> int:
-    """Remove the per-turn CODEX_HOMEs that a dead process left behind (a SIGKILLed replica
-    cannot clean up after itself); returns how many. Homes of live processes are kept."""
-    removed = 0
-    for home in Path(root or tempfile.gettempdir()).glob(f"{_HOME_PREFIX}*"):
-        try:
-            pid = int((home / _OWNER).read_text())
-        except (OSError, ValueError):
-            continue  # not ours, or still being set up
-        if pid == os.getpid() or _pid_alive(pid):
-            continue
-        shutil.rmtree(home, ignore_errors=True)
-        removed += 1
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 # -- the harness -----------------------------------------------------------------------------
 
 
@@ -1518,8 +1375,8 @@ class CodexHarness:
         return result
 
     async def _run_once(self, binary: str, turn: Turn, cfg: CodexConfig) -> tuple[TurnResult, bool]:
-        home = Path(tempfile.mkdtemp(prefix=_HOME_PREFIX, dir=self.home_root))
-        (home / _OWNER).write_text(str(os.getpid()))
+        home = Path(tempfile.mkdtemp(prefix=HOME_PREFIX, dir=self.home_root))
+        (home / OWNER).write_text(str(os.getpid()))
         run = _Run(self, binary, turn, cfg, home)
         try:
             return await run.run(), run.follow_up
