@@ -54,7 +54,7 @@ from redis.asyncio import Redis
 
 from broker import Broker, Keys, Settings
 from workers.agents.harness import approval_question
-from workers.runtime.replica import ADOPT_PAGE
+from workers.runtime.adoption import ADOPT_PAGE
 
 T = TypeVar("T")
 

@@ -19,7 +19,9 @@ from tests.runtime.test_delivery_once import EPOCH, Thread, asked
 from tests.runtime.test_replica import ASK, Fleet, active, start_thread
 from workers.agents.harness import approval_question
 from workers.runtime import audit
-from workers.runtime.replica import Replica, _Handle, _Slot, _Thread
+from workers.runtime.holding import _Thread
+from workers.runtime.replica import Replica
+from workers.runtime.waits import _Handle, _Slot
 
 APPROVAL = {"question": "Run `make`?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
 
@@ -126,7 +128,7 @@ async def test_an_answer_heard_before_the_wait_is_used(make_broker: BrokerFactor
     assert answers[0].answer == ["Approve"]
 
 
-# -- broker/client.py --------------------------------------------------------------------------
+# -- broker/delivery.py ------------------------------------------------------------------------
 
 
 async def test_a_fenced_wait_hands_nothing_over(th: Thread) -> None:
