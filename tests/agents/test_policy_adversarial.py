@@ -3,8 +3,8 @@ rule or hide it from a deny rule are denied or asked, never silently allowed, th
 harnesses' call shapes; paths that lead out of the work folder count as outside; long and
 pathological commands are decided in bounded time, off the event loop.
 
-The rules themselves are in workers/agents/policy.py; their ordinary behaviour in
-tests/agents/test_policy.py.
+The rules themselves are in workers/agents/policy.py, the shell analysis they see commands through
+in workers/agents/policy_shell.py; their ordinary behaviour in tests/agents/test_policy.py.
 """
 
 from __future__ import annotations
@@ -28,13 +28,12 @@ from workers.agents import policy
 from workers.agents.harness import GateVerdict
 from workers.agents.policy import (
     ASYNC_OVER,
-    MAX_COMMAND,
-    MAX_DEPTH,
     UNCHECKED,
     Guard,
     parse_policy,
     parse_rules,
 )
+from workers.agents.policy_shell import MAX_COMMAND, MAX_DEPTH
 
 WORK = "/work/proj"
 COMMAND = "item/commandExecution/requestApproval"
@@ -332,7 +331,7 @@ def test_characters_that_crash_the_grammar_are_parsed_safely() -> None:
     deciding them must not take the replica down (run apart, so a crash fails only this test),
     and non-ASCII words still read as themselves."""
     probe = (
-        "from workers.agents.policy import analyse\n"
+        "from workers.agents.policy_shell import analyse\n"
         "for _ in range(300):\n"
         "    for text in ('{\\U000df1a8', 'a {\\U0010ffff', '{\\U000df1a8; rm x'):\n"
         "        analyse(text)\n"
