@@ -1,7 +1,9 @@
 """`prompt-broker demo --harness claude_code|codex`: the demo's scenario on the real agent CLIs.
 
-It also holds what every rig shares, `Case` and the `Rig` interface, so that `workers.demo.scenario`
-(the scenario, and the scripted rig) imports this module and never the other way round.
+The rigs here build their cases once (`_AgentRig.cases`), each harness scripting only its model's
+side; what every rig shares, `Case` and the `Rig` interface, is in `workers.demo.rig`, and
+`workers.demo.scenario` (the scenario, and the scripted rig) imports this module, never the other
+way round.
 
 The model is a fake, served by the demo's own process on 127.0.0.1 (a free port): the Anthropic
 Messages API for Claude Code (`workers.demo.fakes.anthropic`, a script per thread, found by the
@@ -41,7 +43,6 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,54 +59,9 @@ from workers.demo.fakes.anthropic import (
     tool_use,
 )
 from workers.demo.fakes.responses import FakeResponses
+from workers.demo.rig import Case, Effect, Expected, Rig
 
-__all__ = ["Case", "ClaudeRig", "CodexRig", "Effect", "Rig", "agent_rig", "missing_cli"]
-
-#: A check made once the scenario is over: what it checks, and whether it holds.
-Effect = tuple[str, Callable[[], bool]]
-
-
-@dataclass
-class Case:
-    """One thread of the scenario: its script, how the person answers, what must come out."""
-
-    thread: str
-    steps: list[dict[str, Any]]  # a scripted agent's steps (empty for a real agent)
-    answers: list[dict[str, Any]]  # one item per prompt, in order
-    # substrings of agent output lines, each exactly once; a tuple: one of them, once in all
-    expect: list[str | tuple[str, ...]]
-    victim: bool = False  # asked to be on the replica that gets killed
-    prompts: int = 0
-    notes: list[str] = field(default_factory=list)
-    message: str = "Please go ahead."  # the person's first message
-    config: dict[str, Any] | None = None  # a real agent's harness config (None: scripted)
-    work_folder: str = ""
-    effects: list[Effect] = field(default_factory=list)  # what must hold afterwards
-
-
-class Rig:
-    """What a harness brings to the scenario (`workers.demo.scenario` runs it): the scripted agents
-    (`workers.demo.scenario.ScriptedRig`), or a real agent CLI below."""
-
-    harness = "scripted"
-    label = "scripted agents"  # the agents, in words
-    patience = 30.0  # seconds to wait for one agent step (a real CLI starts slowly)
-    session_key: str | None = None  # the harness state's key naming the agent session, if any
-    session_word = ""  # that session, in words: "Claude session", "Codex thread"
-
-    def __init__(self) -> None:
-        self.env: dict[str, str] = {}  # extra environment for the fleet's processes
-
-    def cases(self, tag: str) -> list[Case]:
-        raise NotImplementedError
-
-    def evidence(self, case: Case, doomed: bool) -> list[str]:
-        """What else is wrong with the thread, seen from outside the broker (the model's side)."""
-        return []
-
-    def close(self) -> None:
-        pass
-
+__all__ = ["ClaudeRig", "CodexRig", "agent_rig", "missing_cli"]
 
 #: Seconds to wait for one agent step: a real CLI takes seconds to start on a loaded machine.
 PATIENCE = 120.0
@@ -240,6 +196,103 @@ class _AgentRig(Rig):
         self.stop_fake()
         shutil.rmtree(self.root, ignore_errors=True)
 
+    # -- what a harness scripts: its model's side of each kind of thread ----------------------
+
+    def approval(
+        self, thread: str, command: str, description: str, done: str, refused: str
+    ) -> tuple[str, Expected, Expected]:
+        """Script `thread`'s agent to run `command` (a shell call that asks an approval): the
+        person's first message, and what its output says once the command ran (`done`, in a
+        script that can say it) and once it was denied (`refused`)."""
+        raise NotImplementedError
+
+    def question(self, thread: str) -> tuple[str, dict[str, Any], list[Expected]]:
+        """Script `thread`'s agent to ask the person its questions: the first message, the
+        person's structured answer, and what the agent's output says with it."""
+        raise NotImplementedError
+
+    def harness_config(self) -> dict[str, Any]:
+        """A thread's harness config: the fake model's address and an offline key."""
+        raise NotImplementedError
+
+    # -- the cases, the same for every harness --------------------------------------------------
+
+    def _case(
+        self,
+        thread: str,
+        message: str,
+        answers: list[dict[str, Any]],
+        *,
+        expect: list[Expected],
+        work: Path,
+        effects: list[Effect],
+        victim: bool = False,
+    ) -> Case:
+        return Case(
+            thread,
+            [],
+            answers,
+            expect,
+            victim=victim,
+            message=message,
+            config=self.harness_config(),
+            work_folder=str(work),
+            effects=effects,
+        )
+
+    def cases(self, tag: str) -> list[Case]:
+        out = []
+        thread = f"{tag}-approve"
+        work = self.work(thread)
+        command = f"echo deployed > {work}/deployed.txt"
+        done = "Deployed: deployed.txt is written."
+        message, ran, _ = self.approval(thread, command, "Deploy", done, "Not deployed: refused.")
+        effects = [_written(work / "deployed.txt", "deployed\n")]
+        out.append(
+            self._case(thread, message, [_say("yes")], expect=[ran], work=work, effects=effects)
+        )
+
+        thread = f"{tag}-deny"
+        work = self.work(thread)
+        (work / "data.db").write_text("precious\n")
+        command = f"rm -f {work}/data.db"
+        message, _, refused = self.approval(
+            thread, command, "Delete the data", "data.db is deleted.", "Understood: data.db stays."
+        )
+        answers = [_say("no, that is the only copy")]
+        effects = [_kept(work / "data.db")]
+        out.append(
+            self._case(thread, message, answers, expect=[refused], work=work, effects=effects)
+        )
+
+        thread = f"{tag}-ask"
+        work = self.work(thread)
+        message, answer, expect = self.question(thread)
+        out.append(self._case(thread, message, [answer], expect=expect, work=work, effects=[]))
+
+        for i in range(1, 4):
+            approve = i != 2
+            thread = f"{tag}-adopt{i}"
+            work = self.work(thread)
+            path = work / f"migrated-{i}.txt"
+            command = f"echo migrated {i} > {path}"
+            done, skipped = f"Migration {i} ran.", f"Migration {i} skipped."
+            message, ran, refused = self.approval(thread, command, f"Migrate {i}", done, skipped)
+            answers = [_say("approve" if approve else "deny")]
+            effect = _written(path, f"migrated {i}\n") if approve else _never_written(path)
+            out.append(
+                self._case(
+                    thread,
+                    message,
+                    answers,
+                    expect=[ran if approve else refused],
+                    work=work,
+                    effects=[effect],
+                    victim=True,
+                )
+            )
+        return out
+
 
 # -- Claude Code ---------------------------------------------------------------------------------
 
@@ -315,81 +368,26 @@ class ClaudeRig(_AgentRig):
     def stop_fake(self) -> None:
         self.fake.stop()
 
-    def _case(
-        self,
-        thread: str,
-        replies: list[Reply],
-        answers: list[dict[str, Any]],
-        *,
-        expect: list[str | tuple[str, ...]],
-        work: Path,
-        effects: list[Effect],
-        victim: bool = False,
-    ) -> Case:
-        self.fake.script.conversations[thread] = replies
-        return Case(
-            thread,
-            [],
-            answers,
-            expect,
-            victim=victim,
-            message=f"{thread}: please go ahead.",
-            config={"base_url": self.fake.url, "api_key": "sk-ant-demo-offline"},
-            work_folder=str(work),
-            effects=effects,
+    def approval(
+        self, thread: str, command: str, description: str, done: str, refused: str
+    ) -> tuple[str, Expected, Expected]:
+        self.fake.script.conversations[thread] = _claude_approval(
+            command, description, done, refused
         )
+        return f"{thread}: please go ahead.", done, refused
 
-    def cases(self, tag: str) -> list[Case]:
-        out = []
-        work = self.work(f"{tag}-approve")
-        done = "Deployed: deployed.txt is written."
-        command = f"echo deployed > {work}/deployed.txt"
-        script = _claude_approval(command, "Deploy", done, "Not deployed: refused.")
-        effects = [_written(work / "deployed.txt", "deployed\n")]
-        out.append(
-            self._case(
-                f"{tag}-approve", script, [_say("yes")], expect=[done], work=work, effects=effects
-            )
-        )
-
-        work = self.work(f"{tag}-deny")
-        (work / "data.db").write_text("precious\n")
-        refused = "Understood: data.db stays."
-        command = f"rm -f {work}/data.db"
-        script = _claude_approval(command, "Delete the data", "data.db is deleted.", refused)
-        answers = [_say("no, that is the only copy")]
-        effects = [_kept(work / "data.db")]
-        out.append(
-            self._case(f"{tag}-deny", script, answers, expect=[refused], work=work, effects=effects)
-        )
-
-        work = self.work(f"{tag}-ask")
+    def question(self, thread: str) -> tuple[str, dict[str, Any], list[Expected]]:
+        self.fake.script.conversations[thread] = _claude_ask()
         answer = _structured(
             "staging; KPI cards and Chart",
             (TARGET, ["staging"]),
             (SECTIONS, ["KPI cards", "Chart"]),
         )
         said = "Deploying to staging with KPI cards, Chart."
-        out.append(
-            self._case(f"{tag}-ask", _claude_ask(), [answer], expect=[said], work=work, effects=[])
-        )
+        return f"{thread}: please go ahead.", answer, [said]
 
-        for i in range(1, 4):
-            approve = i != 2
-            thread = f"{tag}-adopt{i}"
-            work = self.work(thread)
-            path = work / f"migrated-{i}.txt"
-            done, refused = f"Migration {i} ran.", f"Migration {i} skipped."
-            script = _claude_approval(f"echo migrated {i} > {path}", f"Migrate {i}", done, refused)
-            answers = [_say("approve" if approve else "deny")]
-            effect = _written(path, f"migrated {i}\n") if approve else _never_written(path)
-            expect: list[str | tuple[str, ...]] = [done if approve else refused]
-            out.append(
-                self._case(
-                    thread, script, answers, expect=expect, work=work, effects=[effect], victim=True
-                )
-            )
-        return out
+    def harness_config(self) -> dict[str, Any]:
+        return {"base_url": self.fake.url, "api_key": "sk-ant-demo-offline"}
 
     def evidence(self, case: Case, doomed: bool) -> list[str]:
         """Each conversation went on as one (its last model call still carries its first tool
@@ -441,89 +439,25 @@ class CodexRig(_AgentRig):
     def stop_fake(self) -> None:
         self.fake.stop()
 
-    def _case(
-        self,
-        thread: str,
-        message: str,
-        answers: list[dict[str, Any]],
-        *,
-        expect: list[str | tuple[str, ...]],
-        work: Path,
-        effects: list[Effect],
-        victim: bool = False,
-    ) -> Case:
-        return Case(
-            thread,
-            [],
-            answers,
-            expect,
-            victim=victim,
-            message=message,
-            config=dict(self.config),
-            work_folder=str(work),
-            effects=effects,
-        )
+    # The fake's reply after a command: `done: <its output>`; after a resume with the person's
+    # denial: `understood, not retrying`; after a question: the answers, or (resumed)
+    # `noted: The person answered: ...`. The message is the fake's script.
 
-    def cases(self, tag: str) -> list[Case]:
-        # The fake's reply after a command: `done: <its output>`; after a resume with the
-        # person's denial: `understood, not retrying`; after a question: the answers, or (resumed)
-        # `noted: The person answered: ...`.
-        ran = ("exited with code 0",)
-        refused = ("rejected", "not retrying")
-        out = []
-        work = self.work(f"{tag}-approve")
-        message = f"run!: echo deployed > {work}/deployed.txt"
-        effects = [_written(work / "deployed.txt", "deployed\n")]
-        out.append(
-            self._case(
-                f"{tag}-approve", message, [_say("yes")], expect=[ran], work=work, effects=effects
-            )
-        )
+    def approval(
+        self, thread: str, command: str, description: str, done: str, refused: str
+    ) -> tuple[str, Expected, Expected]:
+        return f"run!: {command}", ("exited with code 0",), ("rejected", "not retrying")
 
-        work = self.work(f"{tag}-deny")
-        (work / "data.db").write_text("precious\n")
-        answers = [_say("no, that is the only copy")]
-        effects = [_kept(work / "data.db")]
-        message = f"run!: rm -f {work}/data.db"
-        out.append(
-            self._case(
-                f"{tag}-deny", message, answers, expect=[refused], work=work, effects=effects
-            )
-        )
-
-        work = self.work(f"{tag}-ask")
+    def question(self, thread: str) -> tuple[str, dict[str, Any], list[Expected]]:
         answer = _structured(
             "staging, and call it Team dashboard",
             (TARGET, ["staging"]),
             (NAME, ["Team dashboard"]),  # not an option: Codex's "Other", free text
         )
-        message = f"ask: {json.dumps(CODEX_QUESTIONS)}"
-        expect: list[str | tuple[str, ...]] = ["staging", "Team dashboard"]
-        out.append(
-            self._case(f"{tag}-ask", message, [answer], expect=expect, work=work, effects=[])
-        )
+        return f"ask: {json.dumps(CODEX_QUESTIONS)}", answer, ["staging", "Team dashboard"]
 
-        for i in range(1, 4):
-            approve = i != 2
-            thread = f"{tag}-adopt{i}"
-            work = self.work(thread)
-            path = work / f"migrated-{i}.txt"
-            answers = [_say("approve" if approve else "deny")]
-            effect = _written(path, f"migrated {i}\n") if approve else _never_written(path)
-            message = f"run!: echo migrated {i} > {path}"
-            expect = [ran if approve else refused]
-            out.append(
-                self._case(
-                    thread,
-                    message,
-                    answers,
-                    expect=expect,
-                    work=work,
-                    effects=[effect],
-                    victim=True,
-                )
-            )
-        return out
+    def harness_config(self) -> dict[str, Any]:
+        return dict(self.config)
 
     def evidence(self, case: Case, doomed: bool) -> list[str]:
         """The model saw the thread's message; a resumed Codex thread also carried it (its history

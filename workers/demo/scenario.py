@@ -27,7 +27,8 @@ from ulid import ULID
 
 from broker import Broker, Item, Prompt, Settings
 from broker.cli_render import render_item
-from workers.demo.cases import Case, Rig, agent_rig
+from workers.demo.cases import agent_rig
+from workers.demo.rig import Case, Rig
 from workers.runtime.fleet import Fleet
 
 __all__ = ["HARNESSES", "ScriptedRig", "run_demo"]
