@@ -19,6 +19,7 @@ import re
 import signal
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ pytest.importorskip(
     "its bundled CLI are unavailable, so its tests are skipped",
 )
 
-from broker import Answer, BadItem, Broker, Item, PromptCancelled, PromptUnavailable
+from broker import Answer, BadItem, Broker, Item, Prompt, PromptCancelled, PromptUnavailable
 from tests.helpers import of_type, outputs, truthy, until
 from tests.runtime.test_replica import Fleet, Running, session, status_is
 from workers.agents import claude_calls
@@ -118,6 +119,39 @@ async def new_thread(
     await person.post_item(thread_id, {"content": [{"type": "text", "text": f"{marker}: go"}]})
 
 
+Begin = Callable[..., Awaitable[Running]]
+
+
+@pytest.fixture
+def begin(fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path) -> Begin:
+    """The usual opening: replica `r1` (with `settings`, and `harness` if given) starts, then
+    thread `t1` (in `work`) starts a turn whose model plays `replies`. Returns the replica."""
+
+    async def go(
+        marker: str,
+        replies: list[Reply],
+        *,
+        permissions: str = "approval",
+        policy: dict[str, Any] | None = None,
+        harness: Any = None,
+        **settings: Any,
+    ) -> Running:
+        r1 = await start(fleet, tmp_path, "r1", harness, **settings)
+        await new_thread(
+            person,
+            fake,
+            "t1",
+            marker=marker,
+            replies=replies,
+            work=work,
+            permissions=permissions,
+            policy=policy,
+        )
+        return r1
+
+    return go
+
+
 def exists(path: Path) -> bool:
     return path.exists()
 
@@ -172,8 +206,16 @@ async def ended(person: Broker, thread_id: str, n: int = 1) -> list[Item]:
     return await until(check, f"{n} turn_end on {thread_id}", within=SLOW)
 
 
-def completed(items: list[Item]) -> bool:
-    return [i.metadata.get("status") for i in of_type(items, "turn_end")] == ["completed"]
+async def completed_turn(person: Broker, thread_id: str = "t1") -> list[Item]:
+    """The thread's items once its one turn has ended, which must be as `completed`."""
+    items = await ended(person, thread_id)
+    assert [i.metadata.get("status") for i in of_type(items, "turn_end")] == ["completed"]
+    return items
+
+
+async def prompt_on(person: Broker, what: str, thread_id: str = "t1") -> Prompt:
+    """The thread's open prompt, once there is one."""
+    return await until(lambda: person.active_prompt(thread_id), what, within=SLOW)
 
 
 def bash(command: str, description: str = "run it") -> dict[str, Any]:
@@ -185,6 +227,12 @@ def result_of(fake: FakeAnthropic, tool_id: str) -> dict[str, Any]:
     results = fake.tool_results(tool_id)
     assert results, f"the model never received a tool_result for {tool_id}"
     return results[-1]
+
+
+def only_result(fake: FakeAnthropic, tool: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's one call of `tool`, and the (last) tool_result it received for it."""
+    (call,) = fake.tool_uses(tool)
+    return call, result_of(fake, call["id"])
 
 
 DB = {
@@ -225,19 +273,18 @@ def ask(*questions: dict[str, Any]) -> dict[str, Any]:
 
 
 async def test_bash_approved_runs(
-    fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
+    begin: Begin, person: Broker, fake: FakeAnthropic, work: Path
 ) -> None:
     """A Bash call that writes reaches the permission callback as an `approval` prompt shaped
     like the replica's grants; approving it runs the command, and the model sees its result."""
     out = work / "approved.txt"
-    await start(fleet, tmp_path, "r1")
     script: list[Reply] = [
         [text("Writing the file."), bash(f"echo hi > {out}", "Write hi")],
         [text("Wrote it.")],
     ]
-    await new_thread(person, fake, "t1", marker="APPROVE", replies=script, work=work)
+    await begin("APPROVE", script)
 
-    p = await until(lambda: person.active_prompt("t1"), "the approval prompt", within=SLOW)
+    p = await prompt_on(person, "the approval prompt")
     assert p.kind == "approval"
     (q,) = p.questions
     assert q.subject == "Bash"
@@ -247,11 +294,9 @@ async def test_bash_approved_runs(
     assert not exists(out)
 
     await person.post_item("t1", say("yes"))
-    items = await ended(person, "t1")
-    assert completed(items)
+    items = await completed_turn(person)
     assert content(out) == "hi\n"
-    (call,) = fake.tool_uses("Bash")
-    got = result_of(fake, call["id"])
+    _, got = only_result(fake, "Bash")
     assert not got.get("is_error")
     assert "Bash completed" in got["text"]
     assert outputs(items) == ["Writing the file.", "Wrote it."]
@@ -260,22 +305,19 @@ async def test_bash_approved_runs(
 
 
 async def test_bash_denied_is_not_run_and_the_model_hears_the_words(
-    fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
+    begin: Begin, person: Broker, fake: FakeAnthropic, work: Path
 ) -> None:
     """A person's denial refuses the call (it never runs), saying the person denied it, with
     their words; it never reads as 'unavailable'."""
     out = work / "denied.txt"
-    await start(fleet, tmp_path, "r1")
     script: list[Reply] = [[bash(f"touch {out}")], [text("Understood, I will not.")]]
-    await new_thread(person, fake, "t1", marker="DENY", replies=script, work=work)
-    await until(lambda: person.active_prompt("t1"), "the approval prompt", within=SLOW)
+    await begin("DENY", script)
+    await prompt_on(person, "the approval prompt")
 
     await person.post_item("t1", answers(["Deny", "use the staging box instead"]))
-    items = await ended(person, "t1")
-    assert completed(items)
+    items = await completed_turn(person)
     assert not exists(out)
-    (call,) = fake.tool_uses("Bash")
-    got = result_of(fake, call["id"])
+    _, got = only_result(fake, "Bash")
     assert got["is_error"] is True
     assert got["text"].startswith("The person denied this Bash call.")
     assert 'Their words: "use the staging box instead"' in got["text"]
@@ -287,16 +329,15 @@ async def test_bash_denied_is_not_run_and_the_model_hears_the_words(
 
 
 async def test_questions_answered_by_text(
-    fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
+    begin: Begin, person: Broker, fake: FakeAnthropic
 ) -> None:
     """AskUserQuestion raises `ask_user_question`; a typed number picks a single-select label,
     typed labels pick a multi-select's, and the model gets the SDK's answer shape (exact
     question text = label, multi-select labels joined by ', ')."""
-    await start(fleet, tmp_path, "r1")
     script: list[Reply] = [[ask(DB)], [ask(SIGNALS)], [text("Thanks.")]]
-    await new_thread(person, fake, "t1", marker="ASK-TEXT", replies=script, work=work)
+    await begin("ASK-TEXT", script)
 
-    p1 = await until(lambda: person.active_prompt("t1"), "the first question", within=SLOW)
+    p1 = await prompt_on(person, "the first question")
     assert p1.kind == "ask_user_question"
     assert [q.question for q in p1.questions] == ["Which database?"]
     assert [o.label for o in p1.questions[0].options] == ["SQLite", "Postgres"]
@@ -310,8 +351,7 @@ async def test_questions_answered_by_text(
     p2 = await until(second, "the second question", within=SLOW)
     assert p2.questions[0].multiSelect is True
     await person.post_item("t1", say("Metrics, Logs"))
-    items = await ended(person, "t1")
-    assert completed(items)
+    await completed_turn(person)
 
     first, then = fake.tool_uses("AskUserQuestion")
     got1, got2 = result_of(fake, first["id"]), result_of(fake, then["id"])
@@ -321,14 +361,13 @@ async def test_questions_answered_by_text(
 
 
 async def test_questions_answered_by_structured_answers(
-    fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
+    begin: Begin, person: Broker, fake: FakeAnthropic
 ) -> None:
     """Structured answers for three questions at once: a label with a note (an annotation, and
     the picked option's preview), multi-select labels, and free text."""
-    await start(fleet, tmp_path, "r1")
     script: list[Reply] = [[ask(DB, SIGNALS, HOST)], [text("Noted.")]]
-    await new_thread(person, fake, "t1", marker="ASK-STRUCT", replies=script, work=work)
-    p = await until(lambda: person.active_prompt("t1"), "the questions", within=SLOW)
+    await begin("ASK-STRUCT", script)
+    p = await prompt_on(person, "the questions")
     assert len(p.questions) == 3
 
     routed = await person.post_item(
@@ -336,11 +375,9 @@ async def test_questions_answered_by_structured_answers(
         answers(["SQLite", "small deployment"], ["Metrics", "Logs"], ["on the build server"]),
     )
     assert routed.source == "structured"
-    items = await ended(person, "t1")
-    assert completed(items)
+    await completed_turn(person)
 
-    (call,) = fake.tool_uses("AskUserQuestion")
-    got = result_of(fake, call["id"])
+    _, got = only_result(fake, "AskUserQuestion")
     assert not got.get("is_error")
     assert '"Which database?"="SQLite"' in got["text"]
     assert "notes: small deployment" in got["text"]
@@ -350,23 +387,20 @@ async def test_questions_answered_by_structured_answers(
 
 
 async def test_duplicate_question_texts_never_reach_a_person(
-    fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
+    begin: Begin, person: Broker, fake: FakeAnthropic
 ) -> None:
     """Claude Code 2.1.332 refuses an AskUserQuestion whose question texts repeat (answers are
     keyed by text) before any permission callback: no prompt is posted, and the model is told
     why. (The harness still maps such answers deliberately: see the unit test below.)"""
-    await start(fleet, tmp_path, "r1")
     twin = {
         **HOST,
         "options": [{"label": "Here", "description": "a"}, {"label": "There", "description": "b"}],
     }
     script: list[Reply] = [[ask(HOST, twin)], [text("I will ask one at a time.")]]
-    await new_thread(person, fake, "t1", marker="ASK-TWINS", replies=script, work=work)
-    items = await ended(person, "t1")
-    assert completed(items)
+    await begin("ASK-TWINS", script)
+    items = await completed_turn(person)
     assert of_type(items, "pending_prompt") == []
-    (call,) = fake.tool_uses("AskUserQuestion")
-    got = result_of(fake, call["id"])
+    _, got = only_result(fake, "AskUserQuestion")
     assert got["is_error"] is True and "Question texts must be unique" in got["text"]
 
 
@@ -380,17 +414,16 @@ def request_carrying(fake: FakeAnthropic, tool_id: str) -> dict[str, Any]:
 
 
 async def test_stopped_replica_defers_a_question_and_another_replica_resumes_it(
-    fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
+    begin: Begin, fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path
 ) -> None:
     """A question held in the PreToolUse hook; the replica stops cleanly, which parks the wait:
     the hook defers, the Claude session pauses with the call pending, and the transcript is in
     Redis. The answer comes later; another replica (nothing on its disk) resumes the SAME
     session, Claude Code replays the same tool_use_id, and the model gets the answer as that
     call's tool_result."""
-    r1 = await start(fleet, tmp_path, "r1", lease_ttl=5.0)
     script: list[Reply] = [[text("One question first."), ask(DB)], [text("SQLite it is.")]]
-    await new_thread(person, fake, "t1", marker="DEFER-ASK", replies=script, work=work)
-    p = await until(lambda: person.active_prompt("t1"), "the question", within=SLOW)
+    r1 = await begin("DEFER-ASK", script, lease_ttl=5.0)
+    p = await prompt_on(person, "the question")
     await until(lambda: truthy(r1.replica.held_count() == 1), "the held wait", within=SLOW)
 
     await fleet.stop(r1)
@@ -408,8 +441,7 @@ async def test_stopped_replica_defers_a_question_and_another_replica_resumes_it(
 
     await start(fleet, tmp_path, "r2", lease_ttl=5.0)
     await person.post_item("t1", say("SQLite"))
-    items = await ended(person, "t1")
-    assert completed(items)
+    items = await completed_turn(person)
     got = result_of(fake, call["id"])
     assert '"Which database?"="SQLite"' in got["text"]
     assert not got.get("is_error")
@@ -438,12 +470,20 @@ def retry_if_unavailable(command: str) -> Callable[[list[dict[str, Any]]], list[
     return reply
 
 
-async def parked_approval(
-    fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, *, work: Path, out: Path
-) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """Park a Bash approval on r1 (wait mode parked), stop r1, start r2: the thread id, the
-    first call and the deferred retry."""
-    r1 = await start(fleet, tmp_path, "r1", wait_mode="parked", lease_ttl=5.0)
+@dataclass
+class Parked:
+    session_id: str
+    first: dict[str, Any]  # the Bash call refused as unavailable
+    retry: dict[str, Any]  # the agent's retry of it, deferred
+    out: Path  # what the command writes
+
+
+@pytest.fixture
+async def parked_approval(  # noqa: PLR0917 - fixtures
+    begin: Begin, fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
+) -> Parked:
+    """Park a Bash approval on r1 (wait mode parked), stop r1, start r2."""
+    out = work / "parked.txt"
     command = f"echo parked > {out}"
     script: list[Reply] = [
         [bash(command)],
@@ -451,7 +491,7 @@ async def parked_approval(
         retry_if_unavailable(command),
         [text("Done.")],
     ]
-    await new_thread(person, fake, "t1", marker="PARK-BASH", replies=script, work=work)
+    r1 = await begin("PARK-BASH", script, wait_mode="parked", lease_ttl=5.0)
     s = await status_is(person, "t1", "parked")
     await until(
         lambda: truthy(len(fake.tool_uses("Bash")) == 2), "the retry to be deferred", within=SLOW
@@ -465,42 +505,36 @@ async def parked_approval(
     assert not exists(out)
     await fleet.stop(r1)
     await start(fleet, tmp_path, "r2", lease_ttl=5.0)
-    return s.state["session_id"], first, retry
+    return Parked(s.state["session_id"], first, retry, out)
 
 
 async def test_parked_approval_resumes_the_deferred_retry_on_another_replica(
-    fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
+    parked_approval: Parked, person: Broker, fake: FakeAnthropic
 ) -> None:
     """Wait mode parked: the approval is refused as unavailable (nobody refused), the agent
     retries, the hook defers the retry, and the turn parks. Approved later, another replica
     resumes the same session; the replayed retry asks again and the one-shot grant answers it;
     Bash runs and the model gets its result under the retry's tool_use_id."""
-    out = work / "parked.txt"
-    session_id, _, retry = await parked_approval(fleet, person, fake, tmp_path, work=work, out=out)
     await person.post_item("t1", say("yes"))
-    items = await ended(person, "t1")
-    assert completed(items)
-    assert content(out) == "parked\n"
-    got = result_of(fake, retry["id"])
+    items = await completed_turn(person)
+    assert content(parked_approval.out) == "parked\n"
+    got = result_of(fake, parked_approval.retry["id"])
     assert "Bash completed" in got["text"] and not got.get("is_error")
     (granted,) = of_type(items, "approval_granted")
     assert granted.metadata["subject"] == "Bash"
     assert len(of_type(items, "pending_prompt")) == 1  # the retry did not ask a person again
-    assert (await session(person, "t1")).state == {"session_id": session_id}
+    assert (await session(person, "t1")).state == {"session_id": parked_approval.session_id}
     assert (await session(person, "t1")).grant is None
 
 
 async def test_parked_approval_denied_later_refuses_the_retry_with_the_words(
-    fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
+    parked_approval: Parked, person: Broker, fake: FakeAnthropic
 ) -> None:
     """The same, denied with words: the replayed retry is refused as the person's denial, with
     their words, and never runs; no grant is recorded."""
-    out = work / "parked.txt"
-    await parked_approval(fleet, person, fake, tmp_path, work=work, out=out)
     await person.post_item("t1", say("no, not on a Friday"))
-    items = await ended(person, "t1")
-    assert completed(items)
-    assert not exists(out)
+    items = await completed_turn(person)
+    assert not exists(parked_approval.out)
     _, retry = fake.tool_uses("Bash")
     got = result_of(fake, retry["id"])
     assert got["is_error"] is True
@@ -509,8 +543,8 @@ async def test_parked_approval_denied_later_refuses_the_retry_with_the_words(
     assert of_type(items, "approval_granted") == []
 
 
-async def test_crashed_replica_resumes_by_message_on_another_replica(
-    fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
+async def test_crashed_replica_resumes_by_message_on_another_replica(  # noqa: PLR0917 - fixtures
+    begin: Begin, fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
 ) -> None:
     """A replica dies (no clean stop: its CLI is killed, its lease runs out) while Claude Code
     holds an approval. Another replica adopts the open prompt as parked; the answer resumes the
@@ -524,10 +558,9 @@ async def test_crashed_replica_resumes_by_message_on_another_replica(
             return [bash(command)]
         return [text("Done.")]
 
-    r1 = await start(fleet, tmp_path, "r1")
     script: list[Reply] = [[bash(command)], after, after]
-    await new_thread(person, fake, "t1", marker="CRASH", replies=script, work=work)
-    p = await until(lambda: person.active_prompt("t1"), "the approval prompt", within=SLOW)
+    r1 = await begin("CRASH", script)
+    p = await prompt_on(person, "the approval prompt")
     await until(lambda: truthy(r1.replica.held_count() == 1), "the held wait", within=SLOW)
 
     assert claude_children()  # the held wait keeps its CLI running
@@ -536,8 +569,7 @@ async def test_crashed_replica_resumes_by_message_on_another_replica(
     await start(fleet, tmp_path, "r2")
     await until(lambda: _owner_is(person, "t1", "r2"), "r2 to adopt the thread", within=SLOW)
     await person.post_item("t1", say("yes"))
-    items = await ended(person, "t1")
-    assert completed(items)
+    items = await completed_turn(person)
     assert content(out) == "crash\n"
     first, retry = fake.tool_uses("Bash")
     assert "interrupted" in result_of(fake, first["id"])["text"]
@@ -570,23 +602,17 @@ async def crash(fleet: Fleet, r: Running) -> None:
     await r.broker.aclose()
 
 
-async def test_every_deferred_question_resumes_whether_or_not_the_hook_fires(  # noqa: PLR0917 - fixtures
-    fleet: Fleet,
-    person: Broker,
-    fake: FakeAnthropic,
-    tmp_path: Path,
-    work: Path,
-    caplog: pytest.LogCaptureFixture,
+async def test_every_deferred_question_resumes_whether_or_not_the_hook_fires(
+    begin: Begin, person: Broker, fake: FakeAnthropic, caplog: pytest.LogCaptureFixture
 ) -> None:
     """claude-agent-sdk-python #993: on resume, the PreToolUse hook fires only sometimes. Six
     questions in a row, each parked by deferral and resumed: every one is answered once, as its
     own call's tool_result, and none is deferred twice, whichever way each resume went."""
     caplog.set_level(logging.INFO, logger="workers.agents.claude")
-    await start(fleet, tmp_path, "r1", wait_mode="parked")
     rounds = 6
     questions = [{**DB, "question": f"Which database for service {i}?"} for i in range(rounds)]
     script: list[Reply] = [[ask(q)] for q in questions] + [[text("All chosen.")]]
-    await new_thread(person, fake, "t1", marker="RACE", replies=script, work=work)
+    await begin("RACE", script, wait_mode="parked")
     seen: set[str] = set()
     for i in range(rounds):
 
@@ -600,8 +626,7 @@ async def test_every_deferred_question_resumes_whether_or_not_the_hook_fires(  #
         seen.add(s.waiting.prompt_id)
         assert s.state["pending"]["deferred"] == fake.tool_uses("AskUserQuestion")[i]["id"]
         await person.post_item("t1", say("1" if i % 2 == 0 else "2"))
-    items = await ended(person, "t1")
-    assert completed(items)
+    items = await completed_turn(person)
     calls = fake.tool_uses("AskUserQuestion")
     assert len(calls) == rounds
     for i, call in enumerate(calls):
@@ -612,40 +637,48 @@ async def test_every_deferred_question_resumes_whether_or_not_the_hook_fires(  #
     print(f"#993: the hook fired on {fired} of {rounds} resumes")  # either way is correct
 
 
-class Refusing:
-    """The Claude harness with a prompt handle that cannot deliver approvals and whose questions
-    are cancelled."""
+class Wrapped:
+    """The Claude harness (scratch root `scratch-r1`, as `start` gives replica r1), each turn
+    changed first by `adapt`."""
 
     name = "claude_code"
 
-    def __init__(self, inner: ClaudeHarness) -> None:
-        self.inner = inner
+    def __init__(self, tmp_path: Path) -> None:
+        self.inner = ClaudeHarness(scratch_root=tmp_path / "scratch-r1")
+
+    def adapt(self, turn: Turn) -> None:
+        raise NotImplementedError
+
+    async def run_turn(self, turn: Turn) -> TurnResult:
+        self.adapt(turn)
+        return await self.inner.run_turn(turn)
+
+
+class Refusing(Wrapped):
+    """The Claude harness with a prompt handle that cannot deliver approvals and whose questions
+    are cancelled."""
 
     async def ask(self, kind: str, questions: Any, *, state: Any = None) -> list[Answer]:
         if kind == "approval":
             raise PromptUnavailable("t1", "redis is down")
         raise PromptCancelled("prm_x", "superseded")
 
-    async def run_turn(self, turn: Turn) -> TurnResult:
+    def adapt(self, turn: Turn) -> None:
         turn.handle = self
-        return await self.inner.run_turn(turn)
 
 
 async def test_unavailable_and_cancelled_say_nobody_refused(
-    fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
+    begin: Begin, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
 ) -> None:
     """An approval that could not be delivered and a cancelled question are refused with
     messages saying nobody refused (so the agent asks again), never as a person's denial."""
     out = work / "never.txt"
-    harness = Refusing(ClaudeHarness(scratch_root=tmp_path / "scratch-r1"))
-    await start(fleet, tmp_path, "r1", harness=harness)
+    harness = Refusing(tmp_path)
     script: list[Reply] = [[bash(f"touch {out}")], [ask(DB)], [text("I will ask again later.")]]
-    await new_thread(person, fake, "t1", marker="REFUSE", replies=script, work=work)
-    items = await ended(person, "t1")
-    assert completed(items)
+    await begin("REFUSE", script, harness=harness)
+    await completed_turn(person)
     assert not exists(out)
-    (call,) = fake.tool_uses("Bash")
-    got = result_of(fake, call["id"])
+    _, got = only_result(fake, "Bash")
     assert got["text"].startswith(
         "Approval unavailable: the request could not be delivered to a person (redis is down)."
     )
@@ -662,22 +695,18 @@ async def test_unavailable_and_cancelled_say_nobody_refused(
 
 
 async def test_autonomous_runs_tools_silently_but_still_asks_questions(
-    fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
+    begin: Begin, person: Broker, fake: FakeAnthropic, work: Path
 ) -> None:
     """Autonomous: Bash runs with no approval prompt (bypassPermissions, IS_SANDBOX=1 as root),
     and AskUserQuestion still reaches a person."""
     out = work / "auto.txt"
-    await start(fleet, tmp_path, "r1")
     script: list[Reply] = [[bash(f"echo auto > {out}")], [ask(DB)], [text("Done.")]]
-    await new_thread(
-        person, fake, "t1", marker="AUTO", replies=script, work=work, permissions="autonomous"
-    )
-    p = await until(lambda: person.active_prompt("t1"), "the question", within=SLOW)
+    await begin("AUTO", script, permissions="autonomous")
+    p = await prompt_on(person, "the question")
     assert p.kind == "ask_user_question"
     assert content(out) == "auto\n"
     await person.post_item("t1", say("1"))
-    items = await ended(person, "t1")
-    assert completed(items)
+    items = await completed_turn(person)
     assert [i.metadata["prompt"]["kind"] for i in of_type(items, "pending_prompt")] == [
         "ask_user_question"
     ]
@@ -685,13 +714,11 @@ async def test_autonomous_runs_tools_silently_but_still_asks_questions(
     assert '"Which database?"="SQLite"' in result_of(fake, call["id"])["text"]
 
 
-class Gated:
+class Gated(Wrapped):
     """The Claude harness under `guarded`, with a policy gate of the test's own."""
 
-    name = "claude_code"
-
-    def __init__(self, inner: ClaudeHarness) -> None:
-        self.inner = inner
+    def __init__(self, tmp_path: Path) -> None:
+        super().__init__(tmp_path)
         self.calls: list[tuple[str, str, dict[str, Any]]] = []
 
     async def gate(self, harness: str, tool: str, tool_input: dict[str, Any]) -> GateVerdict:
@@ -703,19 +730,17 @@ class Gated:
             return GateVerdict("allow", rule="ok-allowed", effect="write", detail=command)
         return GateVerdict("ask", rule="ask-rest", effect="write", detail=command)
 
-    async def run_turn(self, turn: Turn) -> TurnResult:
+    def adapt(self, turn: Turn) -> None:
         turn.permissions = "guarded"
         turn.gate = self.gate
-        return await self.inner.run_turn(turn)
 
 
 async def test_guarded_gate_allows_denies_and_asks(
-    fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
+    begin: Begin, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
 ) -> None:
     """Guarded: the gate is asked first; allow runs silently, deny refuses naming the rule,
     ask raises an ordinary approval prompt."""
-    gated = Gated(ClaudeHarness(scratch_root=tmp_path / "scratch-r1"))
-    await start(fleet, tmp_path, "r1", harness=gated)
+    gated = Gated(tmp_path)
     allowed, forbidden, other = work / "allowed.txt", work / "forbidden.txt", work / "other.txt"
     script: list[Reply] = [
         [bash(f"touch {allowed}")],
@@ -723,14 +748,11 @@ async def test_guarded_gate_allows_denies_and_asks(
         [bash(f"touch {other}")],
         [text("Done.")],
     ]
-    await new_thread(
-        person, fake, "t1", marker="GUARDED", replies=script, work=work, permissions="approval"
-    )
-    p = await until(lambda: person.active_prompt("t1"), "the approval prompt", within=SLOW)
+    await begin("GUARDED", script, permissions="approval", harness=gated)
+    p = await prompt_on(person, "the approval prompt")
     assert p.questions[0].grant_key == f"Bash:touch {other}"
     await person.post_item("t1", say("yes"))
-    items = await ended(person, "t1")
-    assert completed(items)
+    items = await completed_turn(person)
     assert exists(allowed) and exists(other) and not exists(forbidden)
     _, denied, _ = fake.tool_uses("Bash")
     got = result_of(fake, denied["id"])
@@ -740,7 +762,7 @@ async def test_guarded_gate_allows_denies_and_asks(
 
 
 async def test_guarded_routes_read_only_calls_through_the_gate(
-    fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
+    begin: Begin, person: Broker, fake: FakeAnthropic, work: Path
 ) -> None:
     """Guarded: calls Claude Code's own engine allows silently (a Read inside the work folder, a
     read-only `echo`) reach the gate too, so the worker's deny rules bind them: both are refused
@@ -752,23 +774,18 @@ async def test_guarded_routes_read_only_calls_through_the_gate(
         {"id": "w-no-read", "effect": "read", "action": "deny"},
         {"id": "w-no-echo", "effect": "exec", "action": "deny", "command": ["echo *"]},
     ]
-    await start(fleet, tmp_path, "r1", policy_rules=worker)
     script: list[Reply] = [
         [tool_use("Read", {"file_path": str(notes)}), bash("echo two"), bash("pwd")],
         [text("Done.")],
     ]
-    await new_thread(
-        person,
-        fake,
-        "t1",
-        marker="GUARD-READ",
-        replies=script,
-        work=work,
+    await begin(
+        "GUARD-READ",
+        script,
         permissions="guarded",
         policy={"default": "allow"},
+        policy_rules=worker,
     )
-    items = await ended(person, "t1")
-    assert completed(items)
+    items = await completed_turn(person)
     (read,) = fake.tool_uses("Read")
     echo, pwd = fake.tool_uses("Bash")
     got = result_of(fake, read["id"])
@@ -785,22 +802,14 @@ async def test_guarded_routes_read_only_calls_through_the_gate(
 
 
 async def test_guarded_question_still_parks_by_deferral_and_resumes(
-    fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path, work: Path
+    begin: Begin, fleet: Fleet, person: Broker, fake: FakeAnthropic, tmp_path: Path
 ) -> None:
     """Guarded's ask-every-call hook does not outvote the harness's deferral: a parked question
     still pauses the session with the call pending, and the answer resumes it on another
     replica as that call's tool_result."""
-    r1 = await start(fleet, tmp_path, "r1", wait_mode="parked")
     script: list[Reply] = [[ask(DB)], [text("SQLite it is.")]]
-    await new_thread(
-        person,
-        fake,
-        "t1",
-        marker="GUARD-PARK",
-        replies=script,
-        work=work,
-        permissions="guarded",
-        policy={"default": "allow"},
+    r1 = await begin(
+        "GUARD-PARK", script, permissions="guarded", policy={"default": "allow"}, wait_mode="parked"
     )
     s = await status_is(person, "t1", "parked")
     (call,) = fake.tool_uses("AskUserQuestion")
@@ -808,8 +817,7 @@ async def test_guarded_question_still_parks_by_deferral_and_resumes(
     await fleet.stop(r1)
     await start(fleet, tmp_path, "r2")
     await person.post_item("t1", say("SQLite"))
-    items = await ended(person, "t1")
-    assert completed(items)
+    await completed_turn(person)
     assert '"Which database?"="SQLite"' in result_of(fake, call["id"])["text"]
 
 
@@ -889,8 +897,19 @@ class MemoryStore:
         return list(self.data[key]) if key in self.data else None
 
 
-async def test_session_store_dedups_by_uuid_and_lists_subkeys() -> None:
-    memory = MemoryStore()
+@pytest.fixture
+def memory() -> MemoryStore:
+    """A thread's agent store, in memory."""
+    return MemoryStore()
+
+
+@pytest.fixture
+def harness(tmp_path: Path) -> ClaudeHarness:
+    """A Claude harness run directly (no replica), with a scratch root of its own."""
+    return ClaudeHarness(scratch_root=tmp_path / "scratch")
+
+
+async def test_session_store_dedups_by_uuid_and_lists_subkeys(memory: MemoryStore) -> None:
     store = RedisSessionStore(memory)
     key: Any = {"project_key": "-tmp-a", "session_id": "s1"}
     entry = {
@@ -1072,7 +1091,7 @@ def hold_reply(
 
 
 async def test_a_call_cut_off_while_running_is_said_interrupted_and_the_agent_is_told_first(
-    fake: FakeAnthropic, tmp_path: Path, work: Path
+    fake: FakeAnthropic, harness: ClaudeHarness, memory: MemoryStore, work: Path
 ) -> None:
     """The turn is cut off while its approved command runs: the call log has it allowed with no
     result, so it is "interrupted; it may or may not have taken effect", never "aborted" or
@@ -1080,21 +1099,19 @@ async def test_a_call_cut_off_while_running_is_said_interrupted_and_the_agent_is
     its input; the command ran once."""
     marker = work / "marker"
     command = f"echo RAN >> {marker}; sleep 8"
-    harness = ClaudeHarness(scratch_root=tmp_path / "scratch")
-    store = MemoryStore()
     fake.script.conversations["CUT-RUN"] = [[bash(command)], [text("Done.")]]
     fake.script.conversations["CUT-RUN"].append([text("I will check the marker first.")])
-    turn = direct_turn(fake, work, store, "CUT-RUN: go")
+    turn = direct_turn(fake, work, memory, "CUT-RUN: go")
     await cut_off(harness, turn, lambda: wrote(marker), "the command to write")
 
-    note = await harness.describe_interruption("t1", None, store)
+    note = await harness.describe_interruption("t1", None, memory)
     assert note == (
         f"Bash `{command}` was interrupted; it may or may not have taken effect; check before "
         "running it again"
     )
     sent = len(fake.main_requests())
     nxt = direct_turn(
-        fake, work, store, "What now?", interrupted=Interruption(delivered=None, note=note)
+        fake, work, memory, "What now?", interrupted=Interruption(delivered=None, note=note)
     )
     result = await harness.run_turn(nxt)
     assert result.status == "completed", result
@@ -1107,26 +1124,24 @@ async def test_a_call_cut_off_while_running_is_said_interrupted_and_the_agent_is
     assert "aborted" not in seen and "failed" not in seen
     assert content(marker) == "RAN\n"  # once: nothing re-ran it
     assert result.state is not None  # the same session went on
-    assert result.state["session_id"] == claude_calls.last_session(store.data[claude_calls.CALLS])
+    assert result.state["session_id"] == claude_calls.last_session(memory.data[claude_calls.CALLS])
 
 
 async def test_a_call_whose_result_was_recorded_is_said_to_have_run_with_its_exit_code(
-    fake: FakeAnthropic, tmp_path: Path, work: Path
+    fake: FakeAnthropic, harness: ClaudeHarness, memory: MemoryStore, work: Path
 ) -> None:
     """The turn is cut off after the command finished, while the model's next reply is
     pending: its result was recorded as it arrived, so it "ran, exit code N"."""
     marker = work / "marker"
     command = f"echo RAN >> {marker}; exit 3"
-    harness = ClaudeHarness(scratch_root=tmp_path / "scratch")
-    store = MemoryStore()
     gate, asked = threading.Event(), threading.Event()
     fake.script.conversations["CUT-AFTER"] = [[bash(command)], hold_reply(gate, asked)]
-    turn = direct_turn(fake, work, store, "CUT-AFTER: go")
+    turn = direct_turn(fake, work, memory, "CUT-AFTER: go")
     try:
         await cut_off(harness, turn, asked.is_set, "the model's next request")
     finally:
         gate.set()
-    assert await harness.describe_interruption("t1", None, store) == (
+    assert await harness.describe_interruption("t1", None, memory) == (
         f"Bash `{command}` ran, exit code 3"
     )
     assert content(marker) == "RAN\n"
@@ -1160,7 +1175,7 @@ def test_describe_reads_the_call_log() -> None:
 
 
 async def test_describe_interruption_says_what_is_not_known_when_the_log_cannot_be_read(
-    tmp_path: Path,
+    harness: ClaudeHarness, memory: MemoryStore
 ) -> None:
     class Broken:
         async def append(self, key: str, entries: Any) -> None:
@@ -1169,11 +1184,10 @@ async def test_describe_interruption_says_what_is_not_known_when_the_log_cannot_
         async def load(self, key: str) -> list[Any] | None:
             raise OSError("down")
 
-    harness = ClaudeHarness(scratch_root=tmp_path)
     note = await harness.describe_interruption("t1", None, Broken())
     assert "may or may not have taken effect" in note
     assert await harness.describe_interruption("t1", None, None) == ""
-    assert await harness.describe_interruption("t1", None, MemoryStore()) == ""
+    assert await harness.describe_interruption("t1", None, memory) == ""
 
 
 def test_preface_tells_the_delivered_answer_and_the_note() -> None:
@@ -1228,7 +1242,7 @@ async def crash_an_approved_command(
     async with process_fleet(person, real_redis_url, tmp_path, workers=2) as (fleet, root):
         script: list[Reply] = [[bash(command)], then, [text("I will check the marker.")]]
         await new_thread(person, fake, "t1", marker=marker_name, replies=script, work=work)
-        await until(lambda: person.active_prompt("t1"), "the approval prompt", within=SLOW)
+        await prompt_on(person, "the approval prompt")
         owner = await owner_of(person, "t1")
         await person.post_item("t1", say("yes"))
         await until(kill_when, "the moment to kill", within=SLOW)
