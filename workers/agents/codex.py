@@ -89,10 +89,9 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from broker import Answer, BadItem, Kind, Option, PromptCancelled, PromptUnavailable, Question
-from broker.answers import is_affirmative
+from broker import BadItem, Kind, PromptCancelled, PromptUnavailable, Question
 from workers.agents.codex_config import (
     DEFAULT_FEATURES,
     HOME_PREFIX,
@@ -106,6 +105,31 @@ from workers.agents.codex_config import (
     parse_config,
     sweep_homes,
     validate_config,
+)
+from workers.agents.codex_prompts import (
+    APPROVAL_METHODS,
+    COMMAND,
+    FILE_CHANGE,
+    PERMISSIONS,
+    SESSION_LABEL,
+    USER_INPUT,
+    Decision,
+    NotAnswered,
+    Outcome,
+    answers_payload,
+    approval_payload,
+    approval_question,
+    call_what,
+    decision_of,
+    ended_words,
+    item_kind,
+    item_what,
+    offers,
+    other_reply,
+    request_what,
+    unanswered_words,
+    user_input_questions,
+    why_unanswered,
 )
 from workers.agents.codex_transcript import (
     CALLS_KEY,
@@ -149,15 +173,6 @@ __all__ = [
     "validate_config",
 ]
 
-COMMAND = "item/commandExecution/requestApproval"
-FILE_CHANGE = "item/fileChange/requestApproval"
-PERMISSIONS = "item/permissions/requestApproval"
-USER_INPUT = "item/tool/requestUserInput"
-APPROVAL_METHODS = (COMMAND, FILE_CHANGE, PERMISSIONS)
-
-#: The option that approves for the rest of the Codex session (`acceptForSession`, or scope
-#: `session`). Only a structured answer can pick it: typed text maps to Approve or Deny.
-SESSION_LABEL = "Approve for this session"
 
 _ROLLOUT = re.compile(r"sessions/[A-Za-z0-9_./-]+\.jsonl")
 _STDOUT_LIMIT = 64 * 1024 * 1024  # one JSON-RPC line (a resumed thread's history can be large)
@@ -167,172 +182,6 @@ _EXIT_GRACE = 5.0  # seconds for the app-server to exit once its stdin is closed
 #: A hook for tests and benchmarks: `trace(event, data)` with events `spawn` `{pid, thread_id}`,
 #: `recv` / `send` `{pid, msg}` (every JSON-RPC message) and `exit` `{pid, rc}`.
 Trace = Callable[[str, dict[str, Any]], None]
-
-
-# -- questions -------------------------------------------------------------------------------
-
-
-def _str(params: dict[str, Any], key: str) -> str:
-    value = params.get(key)
-    return value.strip() if isinstance(value, str) else ""
-
-
-def _offers_session(method: str, params: dict[str, Any]) -> bool:
-    """Does this request offer a session-wide approval? Permissions always do (scope
-    `session`); a command or file change does unless its `availableDecisions` leaves it out."""
-    if method == PERMISSIONS:
-        return True
-    offered = params.get("availableDecisions")
-    if isinstance(offered, list):
-        return "acceptForSession" in offered
-    return True
-
-
-def _permissions_text(permissions: object) -> str:
-    if not isinstance(permissions, dict):
-        return ""
-    parts = []
-    network = permissions.get("network")
-    if isinstance(network, dict) and network.get("enabled"):
-        parts.append("network access")
-    fs = permissions.get("fileSystem")
-    if isinstance(fs, dict):
-        for mode in ("read", "write"):
-            paths = fs.get(mode)
-            if isinstance(paths, list) and paths:
-                parts.append(f"{mode} access to " + ", ".join(f"`{p}`" for p in paths))
-    return "; ".join(parts)
-
-
-def _changes_text(changes: object) -> str:
-    if not isinstance(changes, list):
-        return ""
-    lines = []
-    for change in changes[:20]:
-        if not isinstance(change, dict):
-            continue
-        kind = change.get("kind")
-        what = kind.get("type") if isinstance(kind, dict) else kind
-        lines.append(f"`{change.get('path', '?')}`" + (f" ({what})" if what else ""))
-    if len(changes) > 20:
-        lines.append(f"and {len(changes) - 20} more")
-    return "\n".join(lines)
-
-
-def approval_question(method: str, params: dict[str, Any], changes: object = None) -> Question:
-    """The `approval` question for one Codex approval request (reference section 3.2).
-
-    `changes` is the file-change item's `changes` (from its `item/started`), since the request
-    itself names no file.
-    """
-    reason = _str(params, "reason")
-    grant_key = None
-    if method == COMMAND:
-        command = _str(params, "command")
-        text = reason or "Allow Codex to run this command?"
-        if command:
-            text += f"\n\n`{command}`"
-            grant_key = f"{method}:{command}"
-        cwd = _str(params, "cwd")
-        if cwd:
-            text += f"\n\nin {cwd}"
-        header, approve = "shell", "run this command"
-    elif method == FILE_CHANGE:
-        text = reason or "Allow Codex to change these files?"
-        listed = _changes_text(changes)
-        if listed:
-            text += "\n\n" + listed
-        root = _str(params, "grantRoot")
-        if root:
-            text += f"\n\nand to write under `{root}` for the rest of the session"
-        header, approve = "file change", "apply the change"
-    else:
-        text = reason or "Allow Codex more permissions?"
-        asked = _permissions_text(params.get("permissions"))
-        if asked:
-            text += f"\n\nIt asks for {asked}."
-        header, approve = "permissions", "for this turn only"
-    options = [
-        Option(label="Approve", description=approve),
-        Option(label="Deny", description="refuse it; Codex carries on without it"),
-    ]
-    if _offers_session(method, params):
-        options.append(
-            Option(label=SESSION_LABEL, description="and don't ask again for it this session")
-        )
-    return Question(
-        question=text,
-        header=header,
-        options=options,
-        multiSelect=False,
-        subject=method,
-        grant_key=grant_key,
-    )
-
-
-def user_input_questions(params: dict[str, Any]) -> list[Question]:
-    """One `ask_user_question` question per Codex question, in order."""
-    out = []
-    for q in params.get("questions") or []:
-        if not isinstance(q, dict):
-            continue
-        text = str(q.get("question") or q.get("header") or q.get("id") or "")
-        if q.get("isSecret"):
-            text += "\n\n(Your answer will be visible in this thread.)"
-        options = [
-            Option(label=str(o.get("label", "")), description=str(o.get("description") or ""))
-            for o in q.get("options") or []
-            if isinstance(o, dict)
-        ]
-        out.append(Question(question=text, header=str(q.get("header") or "")[:40], options=options))
-    return out
-
-
-# -- replies ---------------------------------------------------------------------------------
-
-Decision = Literal["accept", "session", "decline", "cancel"]
-
-
-def approval_payload(method: str, params: dict[str, Any], decision: Decision) -> dict[str, Any]:
-    """The reply to an approval request, in the protocol's own vocabulary.
-
-    `accept` / `session` approve (for `session`, Codex's session-wide form); `decline` is a
-    refusal (a person's, or the policy's); `cancel` says nobody decided and ends Codex's turn.
-    A permissions request has no cancel: it gets an empty grant (the turn is interrupted apart).
-    """
-    if method == PERMISSIONS:
-        if decision in ("accept", "session"):
-            granted = params.get("permissions")
-            scope = "session" if decision == "session" else "turn"
-            return {"permissions": granted if isinstance(granted, dict) else {}, "scope": scope}
-        return {"permissions": {}, "scope": "turn"}
-    if decision == "session" and not _offers_session(method, params):
-        decision = "accept"
-    word = {"accept": "accept", "session": "acceptForSession"}.get(decision, decision)
-    return {"decision": word}
-
-
-def answers_payload(params: dict[str, Any], answers: Sequence[Answer]) -> dict[str, Any]:
-    """`{answers: {<question id>: {answers: [...]}}}` for a `requestUserInput`."""
-    out: dict[str, Any] = {}
-    questions = [q for q in params.get("questions") or [] if isinstance(q, dict)]
-    for i, q in enumerate(questions):
-        labels = list(answers[i].answer) if i < len(answers) else []
-        out[str(q.get("id", i))] = {"answers": labels}
-    return {"answers": out}
-
-
-def other_reply(method: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """`(result, error)` for a server request this harness does not put to a person: a refusal
-    in its own vocabulary where it has one (not a person's denial), else a JSON-RPC error."""
-    if method == "mcpServer/elicitation/request":
-        return {"action": "cancel"}, None
-    if method == "item/tool/call":
-        text = "this client registered no dynamic tools; nothing was run"
-        return {"contentItems": [{"type": "inputText", "text": text}], "success": False}, None
-    if method in ("execCommandApproval", "applyPatchApproval"):
-        return {"decision": "abort"}, None
-    return None, {"code": -32601, "message": f"{method} is not supported by prompt-broker"}
 
 
 # -- the JSON-RPC connection -----------------------------------------------------------------
@@ -489,15 +338,6 @@ def _restore_lines(entries: Sequence[Any], segments: Sequence[Any]) -> list[str]
 # -- one turn --------------------------------------------------------------------------------
 
 
-@dataclass
-class _NotAnswered:
-    """Nobody answered: the prompt parked, was cancelled, or could not be delivered."""
-
-    why: Literal["parked", "cancelled", "unavailable"]
-    detail: str = ""
-
-
-_Outcome = list[Answer] | _NotAnswered
 #: A write for the ledger's queue, and the future told whether it was stored (or None).
 _Job = tuple[Callable[[], Awaitable[None]], "asyncio.Future[bool] | None"]
 
@@ -799,7 +639,7 @@ class _Run:
                 item_id = str(item.get("id"))
                 if item.get("type") == "fileChange":
                     self.items[item_id] = item
-                self._record_call(item_id, _item_what(item), _item_kind(item), asked=False)
+                self._record_call(item_id, item_what(item), item_kind(item), asked=False)
         elif method == "item/completed":
             item = params.get("item")
             if isinstance(item, dict) and item.get("type") == "agentMessage":
@@ -867,7 +707,7 @@ class _Run:
         a replica killed from now on leaves the truth behind."""
         item_id = str(item.get("id"))
         code = item.get("exitCode")
-        self._record_call(item_id, _item_what(item), _item_kind(item), asked=False)
+        self._record_call(item_id, item_what(item), item_kind(item), asked=False)
         self._record_later(
             {
                 "ev": "result",
@@ -928,20 +768,20 @@ class _Run:
                         msg["id"], {"code": -32603, "message": "prompt-broker could not answer"}
                     )
 
-    async def _ask(self, kind: Kind, questions: list[Question], item_id: str) -> _Outcome:
+    async def _ask(self, kind: Kind, questions: list[Question], item_id: str) -> Outcome:
         async with self.lock:
             if self.parked is not None:
-                return _NotAnswered("parked")
+                return NotAnswered("parked")
             await self._sync_now(wait_for=_holds(item_id))
             try:
                 return await self.turn.handle.ask(kind, questions, state=self._state(open=True))
             except PromptParked as e:
                 self.parked = e
-                return _NotAnswered("parked")
+                return NotAnswered("parked")
             except PromptCancelled as e:
-                return _NotAnswered("cancelled", e.reason or "no reason given")
+                return NotAnswered("cancelled", e.reason or "no reason given")
             except PromptUnavailable as e:
-                return _NotAnswered("unavailable", str(e.cause))
+                return NotAnswered("unavailable", str(e.cause))
             except Exception as e:  # e.g. the replica lost the thread: the turn stops here
                 self._fail(e)
                 raise
@@ -949,10 +789,10 @@ class _Run:
     async def _approval(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
         item_id = str(params.get("itemId", ""))
         changes = self.items.get(item_id, {}).get("changes")
-        what = _what(method, params)
+        what = request_what(method, params)
         if item_id:
             self.known.add(item_id)
-            call = _call_what(method, params, changes)
+            call = call_what(method, params, changes)
             kind = {COMMAND: "command", FILE_CHANGE: "file"}.get(method, "permissions")
             entry = {"ev": "call", "id": item_id, "what": call, "kind": kind, "asked": True}
             await self._record_now(entry)
@@ -980,12 +820,12 @@ class _Run:
                 )
         question = approval_question(method, params, changes)
         outcome = await self._ask("approval", [question], item_id)
-        if isinstance(outcome, _NotAnswered):
+        if isinstance(outcome, NotAnswered):
             return await self._unanswered(method, params, item_id, outcome, what)
-        decision = _decision(outcome)
+        decision = decision_of(outcome)
         if decision == "session" and self.turn.permissions == "guarded":
             decision = "accept"  # a session-wide approval would keep later calls from the gate
-        if decision == "decline" and not _offers(method, params, "decline"):
+        if decision == "decline" and not offers(method, params, "decline"):
             return await self._refuse(
                 method,
                 params,
@@ -1006,8 +846,10 @@ class _Run:
         if not recorded and decision in ("accept", "session"):
             # Unrecorded, an approval could run a call that a replica taking over would
             # report as never run: refuse it instead; asking again will retry.
-            outcome = _NotAnswered("unavailable", "the approval could not be recorded")
-            return await self._unanswered(method, params, item_id, outcome, _what(method, params))
+            outcome = NotAnswered("unavailable", "the approval could not be recorded")
+            return await self._unanswered(
+                method, params, item_id, outcome, request_what(method, params)
+            )
         return payload
 
     async def _refuse(
@@ -1027,7 +869,7 @@ class _Run:
         it is stored), and `note` right after, in a follow-up turn started at once."""
         if item_id:
             self.told[item_id] = output
-        self.aborted = _ended(why)
+        self.aborted = ended_words(why)
         if note:
             self.notes.append(note)
         self.follow_up = self.follow_up or follow_up
@@ -1037,16 +879,16 @@ class _Run:
         return approval_payload(method, params, "cancel")
 
     async def _unanswered(
-        self, method: str, params: dict[str, Any], item_id: str, outcome: _NotAnswered, what: str
+        self, method: str, params: dict[str, Any], item_id: str, outcome: NotAnswered, what: str
     ) -> dict[str, Any]:
-        output, note = _unanswered_words(outcome, what)
+        output, note = unanswered_words(outcome, what)
         return await self._refuse(
             method,
             params,
             item_id,
             output=output,
             note=note,
-            why=_why(outcome),
+            why=why_unanswered(outcome),
             follow_up=outcome.why != "parked",
         )
 
@@ -1056,11 +898,11 @@ class _Run:
             return {"answers": {}}
         item_id = str(params.get("itemId", ""))
         outcome = await self._ask("ask_user_question", questions, item_id)
-        if isinstance(outcome, _NotAnswered):
-            output, note = _unanswered_words(outcome, "an answer to your question", "Question")
+        if isinstance(outcome, NotAnswered):
+            output, note = unanswered_words(outcome, "an answer to your question", "Question")
             if item_id:
                 self.told[item_id] = output
-            self.aborted = _ended(_why(outcome))
+            self.aborted = ended_words(why_unanswered(outcome))
             if note:
                 self.notes.append(note)
             self.follow_up = self.follow_up or outcome.why != "parked"
@@ -1196,82 +1038,6 @@ def _output_of(call_id: str) -> Callable[[bytes], bool]:
     return check
 
 
-def _item_kind(item: dict[str, Any]) -> str:
-    return "command" if item.get("type") == "commandExecution" else "file"
-
-
-def _item_what(item: dict[str, Any]) -> str:
-    if item.get("type") == "commandExecution":
-        command = item.get("command")
-        return command if isinstance(command, str) and command else "a command"
-    return _changes_what(item.get("changes"))
-
-
-def _changes_what(changes: object) -> str:
-    paths = (
-        [str(c.get("path")) for c in changes if isinstance(c, dict) and c.get("path")]
-        if isinstance(changes, list)
-        else []
-    )
-    return "the file change to " + ", ".join(paths[:5]) if paths else "a file change"
-
-
-def _call_what(method: str, params: dict[str, Any], changes: object) -> str:
-    """What the ledger calls the call an approval request is for."""
-    if method == COMMAND:
-        return _str(params, "command") or "a command"
-    if method == FILE_CHANGE:
-        return _changes_what(changes)
-    return "a permissions request"
-
-
-def _offers(method: str, params: dict[str, Any], decision: str) -> bool:
-    """May we reply `decision`? Where the request lists `availableDecisions`, only if listed
-    (Codex 0.171.0 lists `accept`, an execpolicy amendment and `cancel` for commands, so a
-    command is never answered `decline`); else if the method's reply has that decision."""
-    offered = params.get("availableDecisions")
-    if isinstance(offered, list):
-        return decision in offered
-    return method != PERMISSIONS
-
-
-def _ended(why: str) -> str:
-    """What the model reads where Codex would say the person interrupted the turn."""
-    return (
-        f"This turn was ended by prompt-broker, not by the person: {why}. Nobody interrupted you."
-    )
-
-
-def _why(outcome: _NotAnswered) -> str:
-    if outcome.why == "parked":
-        return "a question is waiting for a person, and the answer comes back in a later turn"
-    if outcome.why == "cancelled":
-        return f"a question was cancelled before anyone answered ({outcome.detail})"
-    return f"a question could not be put to a person ({outcome.detail})"
-
-
-def _unanswered_words(outcome: _NotAnswered, what: str, head: str = "Approval") -> tuple[str, str]:
-    """`(the call's output, the note)` when nobody answered: never a refusal. `head` is what
-    was asked for (`Approval`, or `Question` for Codex's own questions)."""
-    if outcome.why == "parked":
-        return (
-            f"{head} pending: the request for {what} is waiting for a person. Nothing was run"
-            " and nobody refused it; their answer comes back in your next turn.",
-            "",
-        )
-    if outcome.why == "cancelled":
-        text = (
-            f"{head} unavailable: the request for {what} was cancelled ({outcome.detail})"
-            " before anyone answered. Nothing was run and nobody refused it."
-        )
-        return text, text
-    text = (
-        f"{head} unavailable: the request for {what} could not be put to a person"
-        f" ({outcome.detail}). Nothing was run and nobody refused it; asking again will retry."
-    )
-    return text, text
-
-
 def _relative(path: object, home: Path) -> str:
     """`path` under `home`, as a relative POSIX path ("" when it is not under it)."""
     if not isinstance(path, str):
@@ -1280,24 +1046,6 @@ def _relative(path: object, home: Path) -> str:
         return Path(path).relative_to(home).as_posix()
     except ValueError:
         return ""
-
-
-def _what(method: str, params: dict[str, Any]) -> str:
-    if method == COMMAND:
-        command = _str(params, "command")
-        return f"approval to run `{command}`" if command else "approval to run a command"
-    if method == FILE_CHANGE:
-        return "approval of a file change"
-    return "more permissions"
-
-
-def _decision(answers: Sequence[Answer]) -> Decision:
-    """A person's answer to a Codex approval: only an affirmative label approves; the session
-    option approves session-wide; anything else (including malformed answers) declines."""
-    label = answers[0].answer[0] if answers and answers[0].answer else ""
-    if " ".join(label.split()).casefold() == SESSION_LABEL.casefold():
-        return "session"
-    return "accept" if is_affirmative(label) else "decline"
 
 
 # -- the harness -----------------------------------------------------------------------------
