@@ -29,7 +29,6 @@ import contextlib
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,12 +37,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import redis
 from redis.asyncio import Redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.private_redis import PrivateRedis, free_port  # noqa: E402
 from broker import Broker, Settings  # noqa: E402
 from workers.agents.claude import ClaudeHarness  # noqa: E402
 from workers.agents.claude_launch import descendants  # noqa: E402
@@ -130,33 +129,6 @@ def memory_kb(pid: int) -> tuple[int, int]:
             if line.startswith("Pss:"):
                 pss = int(line.split()[1])
     return rss, pss
-
-
-class RedisServer:
-    def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="bench-claude-redis-")
-        with contextlib.closing(__import__("socket").socket()) as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise SystemExit("redis-server is not on PATH")
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        for _ in range(200):
-            with contextlib.suppress(redis.ConnectionError):
-                if redis.Redis(port=self.port).ping():
-                    break
-            time.sleep(0.02)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # -- the rig ---------------------------------------------------------------------------------------
@@ -391,7 +363,11 @@ async def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--waiting", type=int, default=5)
     args = parser.parse_args()
-    server = RedisServer()
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("redis-server is not on PATH")
+    server = PrivateRedis(exe, free_port(), Path(tempfile.mkdtemp(prefix="bench-claude-redis-")))
+    server.start()
     root = Path(tempfile.mkdtemp(prefix="bench-claude-"))
     fake = FakeAnthropic(Script({})).start()
     rig = Rig(server.url, root, fake)
@@ -410,6 +386,7 @@ async def main() -> None:
         await rig.cleanup()
         fake.stop()
         server.stop()
+        shutil.rmtree(server.dir, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
 
 
