@@ -78,12 +78,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import re
 import shutil
-import signal
 import tempfile
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -95,12 +93,10 @@ from broker import BadItem, Kind, PromptCancelled, PromptUnavailable, Question
 from workers.agents.codex_config import (
     DEFAULT_FEATURES,
     HOME_PREFIX,
-    KEY_ENV,
     OWNER,
     PINNED_VERSION,
     SANDBOX_POLICY,
     CodexConfig,
-    config_toml,
     find_codex,
     parse_config,
     sweep_homes,
@@ -131,6 +127,7 @@ from workers.agents.codex_prompts import (
     user_input_questions,
     why_unanswered,
 )
+from workers.agents.codex_rpc import AppServer, CodexError, Rpc, Trace
 from workers.agents.codex_transcript import (
     CALLS_KEY,
     Call,
@@ -173,123 +170,8 @@ __all__ = [
     "validate_config",
 ]
 
-
 _ROLLOUT = re.compile(r"sessions/[A-Za-z0-9_./-]+\.jsonl")
-_STDOUT_LIMIT = 64 * 1024 * 1024  # one JSON-RPC line (a resumed thread's history can be large)
 _START_TIMEOUT = 60.0  # seconds for the app-server to answer initialize / thread / turn start
-_EXIT_GRACE = 5.0  # seconds for the app-server to exit once its stdin is closed
-
-#: A hook for tests and benchmarks: `trace(event, data)` with events `spawn` `{pid, thread_id}`,
-#: `recv` / `send` `{pid, msg}` (every JSON-RPC message) and `exit` `{pid, rc}`.
-Trace = Callable[[str, dict[str, Any]], None]
-
-
-# -- the JSON-RPC connection -----------------------------------------------------------------
-
-
-class CodexError(Exception):
-    """The app-server failed, or answered one of our requests with an error."""
-
-
-class _Rpc:
-    """JSON-RPC over the app-server's stdio."""
-
-    def __init__(
-        self,
-        proc: asyncio.subprocess.Process,
-        on_request: Callable[[dict[str, Any]], None],
-        on_notification: Callable[[dict[str, Any]], None],
-        trace: Trace | None,
-    ) -> None:
-        self.proc = proc
-        self.on_request = on_request
-        self.on_notification = on_notification
-        self.trace = trace
-        self.pending: dict[int, asyncio.Future[Any]] = {}
-        self.ids = 0
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.reader = asyncio.create_task(self._read(), name="codex stdout")
-
-    async def _read(self) -> None:
-        assert self.proc.stdout is not None
-        try:
-            while True:
-                line = await self.proc.stdout.readline()
-                if not line:
-                    break
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    logger.warning("codex.bad_line", extra={"line": line[:200]})
-                    continue
-                if not isinstance(msg, dict):
-                    continue
-                if self.trace is not None:
-                    self.trace("recv", {"pid": self.proc.pid, "msg": msg})
-                self._dispatch(msg)
-        except (OSError, ValueError) as e:  # ValueError: a line past the stream limit
-            logger.warning("codex.read_failed", extra={"error": repr(e)})
-        finally:
-            error = CodexError("the codex app-server closed its output")
-            for fut in self.pending.values():
-                if not fut.done():
-                    fut.set_exception(error)
-            if not self.closed.done():
-                self.closed.set_result(None)
-
-    def _dispatch(self, msg: dict[str, Any]) -> None:
-        if "method" in msg and "id" in msg:
-            self.on_request(msg)
-        elif "method" in msg:
-            self.on_notification(msg)
-        elif isinstance(msg.get("id"), int) and msg["id"] in self.pending:
-            fut = self.pending.pop(msg["id"])
-            if fut.done():
-                return
-            if "error" in msg:
-                fut.set_exception(CodexError(str(msg["error"].get("message", msg["error"]))))
-            else:
-                fut.set_result(msg.get("result"))
-        elif "error" in msg:  # an error with no id (an unparseable request of ours)
-            logger.warning("codex.error", extra={"error": msg["error"]})
-
-    async def _write(self, msg: dict[str, Any]) -> None:
-        if self.trace is not None:
-            self.trace("send", {"pid": self.proc.pid, "msg": msg})
-        stdin = self.proc.stdin
-        if stdin is None or stdin.is_closing():
-            raise CodexError("the codex app-server's input is closed")
-        stdin.write(json.dumps(msg).encode() + b"\n")
-        try:
-            await stdin.drain()
-        except (ConnectionError, OSError) as e:
-            raise CodexError(f"cannot write to the codex app-server: {e}") from e
-
-    async def call(self, method: str, params: dict[str, Any], within: float | None = None) -> Any:
-        """Send a request and return its result; `CodexError` for an error or no answer."""
-        self.ids += 1
-        request_id = self.ids
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.pending[request_id] = fut
-        await self._write({"id": request_id, "method": method, "params": params})
-        try:
-            return await asyncio.wait_for(fut, within)
-        except TimeoutError:
-            raise CodexError(f"{method}: no answer from the codex app-server") from None
-        finally:
-            self.pending.pop(request_id, None)
-
-    async def notify(self, method: str, params: dict[str, Any] | None = None) -> None:
-        msg: dict[str, Any] = {"method": method}
-        if params is not None:
-            msg["params"] = params
-        await self._write(msg)
-
-    async def reply(self, request_id: Any, result: dict[str, Any]) -> None:
-        await self._write({"id": request_id, "result": result})
-
-    async def reply_error(self, request_id: Any, error: dict[str, Any]) -> None:
-        await self._write({"id": request_id, "error": error})
 
 
 # -- rollout persistence ---------------------------------------------------------------------
@@ -353,8 +235,8 @@ class _Run:
         self.turn = turn
         self.cfg = cfg
         self.home = home
-        self.proc: asyncio.subprocess.Process | None = None
-        self.rpc: _Rpc | None = None
+        self.app = AppServer(binary, home, harness.trace)
+        self.rpc: Rpc | None = None
         self.rollout: _Rollout | None = None
         self.thread_id: str | None = None
         self.turn_id: str | None = None
@@ -375,7 +257,6 @@ class _Run:
         self.tasks: set[asyncio.Task[None]] = set()
         self.emits: asyncio.Queue[str | None] = asyncio.Queue()
         self.emitter: asyncio.Task[None] | None = None
-        self.stderr = home / "stderr.log"
 
     # -- policy ------------------------------------------------------------------------------
 
@@ -408,8 +289,14 @@ class _Run:
     async def run(self) -> TurnResult:
         state = self.turn.state or {}
         restored = await self._restore(state)
-        await self._spawn()
-        assert self.rpc is not None
+        self.rpc = await self.app.spawn(
+            self.cfg,
+            self.h.features,
+            self.cwd,
+            thread_id=self.turn.thread_id,
+            on_request=self._on_request,
+            on_notification=self._on_notification,
+        )
         self.emitter = asyncio.create_task(self._emit_loop(), name="codex emit")
         self.recorder = asyncio.create_task(self._record_loop(), name="codex ledger")
         await self.rpc.call(
@@ -508,7 +395,7 @@ class _Run:
 
     async def _result(self, finished: dict[str, Any]) -> TurnResult:
         await self._drain_emits()
-        await self._stop_process()
+        await self.app.stop()
         await self._drain_records()
         await self._sync()
         state = self._state()
@@ -535,57 +422,7 @@ class _Run:
             state["notes"] = list(self.notes)
         return state
 
-    # -- the process -------------------------------------------------------------------------
-
-    async def _spawn(self) -> None:
-        key = self.cfg.api_key
-        if key is None and self.cfg.api_key_env:
-            key = os.environ.get(self.cfg.api_key_env)
-        toml = config_toml(self.cfg, self.h.features, has_key=key is not None)
-        (self.home / "config.toml").write_text(toml)
-        env = dict(os.environ)
-        env["CODEX_HOME"] = str(self.home)
-        env.pop(KEY_ENV, None)
-        if key is not None:
-            env[KEY_ENV] = key
-        with self.stderr.open("wb") as err:
-            self.proc = await asyncio.create_subprocess_exec(
-                self.binary,
-                "app-server",
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=err,
-                cwd=self.cwd,
-                env=env,
-                limit=_STDOUT_LIMIT,
-                start_new_session=True,  # its own process group: stopped as a whole
-            )
-        if self.h.trace is not None:
-            self.h.trace("spawn", {"pid": self.proc.pid, "thread_id": self.turn.thread_id})
-        self.rpc = _Rpc(self.proc, self._on_request, self._on_notification, self.h.trace)
-
-    async def _stop_process(self, graceful: bool = True) -> None:
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.stdin is not None and not proc.stdin.is_closing():
-            proc.stdin.close()
-        if graceful and proc.returncode is None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), _EXIT_GRACE)
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), _EXIT_GRACE)
-        else:  # the app-server is gone; end whatever its commands left behind
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        if self.rpc is not None:
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(self.rpc.reader), 1)
-        if self.h.trace is not None:
-            self.h.trace("exit", {"pid": proc.pid, "rc": proc.returncode})
+    # -- teardown ----------------------------------------------------------------------------
 
     async def close(self) -> None:
         """Whatever happened, leave nothing running."""
@@ -595,16 +432,7 @@ class _Run:
             self.recorder.cancel()
         if self.emitter is not None and not self.emitter.done():
             self.emitter.cancel()
-        await self._stop_process(graceful=False)
-        if self.rpc is not None:
-            self.rpc.reader.cancel()
-
-    def stderr_tail(self) -> str:
-        try:
-            lines = self.stderr.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return " | ".join(line for line in lines[-5:] if line.strip())[-800:]
+        await self.app.close()
 
     # -- output ------------------------------------------------------------------------------
 
@@ -1129,7 +957,7 @@ class CodexHarness:
         try:
             return await run.run(), run.follow_up
         except CodexError as e:
-            tail = run.stderr_tail()
+            tail = run.app.stderr_tail()
             error = f"codex: {e}" + (f" (stderr: {tail})" if tail else "")
             return TurnResult("failed", state=turn.state, error=error), False
         finally:
