@@ -58,7 +58,6 @@ from workers.agents.codex import (
     SESSION_LABEL,
     USER_INPUT,
     CodexHarness,
-    _holds,
     answers_payload,
     approval_payload,
     approval_question,
@@ -66,6 +65,7 @@ from workers.agents.codex import (
     other_reply,
     parse_config,
 )
+from workers.agents.codex_recorder import holds
 from workers.agents.codex_transcript import (
     Call,
     calls_of,
@@ -759,8 +759,8 @@ def test_the_ledger_tells_what_is_known_of_a_call() -> None:
     said_abort = json.loads(rewrite_line(json.dumps(abort), {}, "ended by us"))
     assert said_abort["payload"]["content"] == [{"type": "input_text", "text": "ended by us"}]
     # the harness waits for a call to be written before it asks; an empty id waits for nothing
-    assert _holds("call_2")(b'{"call_id":"call_2"}') and not _holds("call_2")(b"{}")
-    assert _holds("")(b"")
+    assert holds("call_2")(b'{"call_id":"call_2"}') and not holds("call_2")(b"{}")
+    assert holds("")(b"")
 
 
 # -- the harness alone, real CLI ------------------------------------------------------------------

@@ -45,11 +45,11 @@ Server requests become prompts through `turn.handle.ask`, one at a time:
 
 `cancel` makes Codex write "aborted by user" as the call's output and "The user interrupted the
 previous turn on purpose" after it, neither true. The transcript is rewritten as it is stored
-(see `_sync`): the model reads our words there instead (`Approval unavailable: ...`, `Denied by
-policy rule ...`, `The person denied ...`, `Approval pending: ...`). Except when parked, a
-follow-up turn starts at once with the same words as its input, so the model's very next
-request carries them (Codex's `turn/steer` cannot: a cancelled turn is over, and `decline`
-would show the model "rejected by user" in that same request).
+(see `codex_recorder.Recorder.sync`): the model reads our words there instead (`Approval
+unavailable: ...`, `Denied by policy rule ...`, `The person denied ...`, `Approval pending:
+...`). Except when parked, a follow-up turn starts at once with the same words as its input, so
+the model's very next request carries them (Codex's `turn/steer` cannot: a cancelled turn is
+over, and `decline` would show the model "rejected by user" in that same request).
 
 Every call is recorded as it goes (`workers.agents.codex_transcript`: its approval request, our
 reply before it is sent, its result and the transcript up to its output the moment Codex reports
@@ -80,12 +80,10 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import shutil
 import tempfile
-import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -127,16 +125,13 @@ from workers.agents.codex_prompts import (
     user_input_questions,
     why_unanswered,
 )
+from workers.agents.codex_recorder import ROLLOUT, Recorder, Rollout, holds
 from workers.agents.codex_rpc import AppServer, CodexError, Rpc, Trace
 from workers.agents.codex_transcript import (
     CALLS_KEY,
-    Call,
     calls_of,
-    dangling_calls,
     describe,
     interrupted_writer,
-    output_line,
-    rewrite_line,
 )
 from workers.agents.harness import (
     AgentStore,
@@ -170,58 +165,10 @@ __all__ = [
     "validate_config",
 ]
 
-_ROLLOUT = re.compile(r"sessions/[A-Za-z0-9_./-]+\.jsonl")
 _START_TIMEOUT = 60.0  # seconds for the app-server to answer initialize / thread / turn start
 
 
-# -- rollout persistence ---------------------------------------------------------------------
-
-
-def _store_key(codex_thread: str) -> str:
-    return f"codex:{codex_thread}"
-
-
-@dataclass
-class _Rollout:
-    """Codex's rollout file for one thread, mirrored into the agent store.
-
-    Store entries are `{"w": writer, "l": line}`; `segments` (kept in the harness state, which
-    the replica commits under its lease) lists `[writer, lines]` in order, so lines written by a
-    turn whose state never committed (a replica that lost its lease) are ignored.
-    """
-
-    codex_thread: str
-    rel: str  # the file's path under CODEX_HOME
-    segments: list[list[Any]] = field(default_factory=list)
-    base: int = 0  # lines restored into the file at turn start
-    writer: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    synced: int = 0  # lines this turn added to the store
-
-    def state_segments(self) -> list[list[Any]]:
-        return [*self.segments, [self.writer, self.synced]] if self.synced else list(self.segments)
-
-
-def _restore_lines(entries: Sequence[Any], segments: Sequence[Any]) -> list[str] | None:
-    by_writer: dict[str, list[str]] = {}
-    for e in entries:
-        if isinstance(e, dict) and isinstance(e.get("w"), str) and isinstance(e.get("l"), str):
-            by_writer.setdefault(e["w"], []).append(e["l"])
-    lines: list[str] = []
-    for seg in segments:
-        if not (isinstance(seg, list) and len(seg) == 2 and isinstance(seg[1], int)):
-            return None
-        got = by_writer.get(str(seg[0]), [])[: seg[1]]
-        if len(got) < seg[1]:
-            return None
-        lines += got
-    return lines
-
-
 # -- one turn --------------------------------------------------------------------------------
-
-
-#: A write for the ledger's queue, and the future told whether it was stored (or None).
-_Job = tuple[Callable[[], Awaitable[None]], "asyncio.Future[bool] | None"]
 
 
 class _Run:
@@ -237,7 +184,7 @@ class _Run:
         self.home = home
         self.app = AppServer(binary, home, harness.trace)
         self.rpc: Rpc | None = None
-        self.rollout: _Rollout | None = None
+        self.recorder = Recorder(turn, home)  # the ledger and the rollout's copy in the store
         self.thread_id: str | None = None
         self.turn_id: str | None = None
         self.done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -245,14 +192,7 @@ class _Run:
         self.lock = asyncio.Lock()  # one question to a person at a time
         self.parked: PromptParked | None = None
         self.notes: list[str] = []  # told to the agent at the start of its next turn
-        # Calls this harness stopped with `cancel` (or by interrupting), by call id: the output
-        # the model reads for each instead of Codex's "aborted by user" (see `_sync`).
-        self.told: dict[str, str] = {}
-        self.aborted: str | None = None  # replaces Codex's "<turn_aborted>" message, if we ended it
         self.follow_up = False  # tell the agent at once, in a follow-up turn (see `run_turn`)
-        self.known: set[str] = set()  # call ids already in the ledger
-        self.records: asyncio.Queue[_Job | None] = asyncio.Queue()
-        self.recorder: asyncio.Task[None] | None = None
         self.items: dict[str, dict[str, Any]] = {}  # item/started, by id (file changes)
         self.tasks: set[asyncio.Task[None]] = set()
         self.emits: asyncio.Queue[str | None] = asyncio.Queue()
@@ -288,7 +228,7 @@ class _Run:
 
     async def run(self) -> TurnResult:
         state = self.turn.state or {}
-        restored = await self._restore(state)
+        restored = await self.recorder.restore(state)
         self.rpc = await self.app.spawn(
             self.cfg,
             self.h.features,
@@ -298,7 +238,7 @@ class _Run:
             on_notification=self._on_notification,
         )
         self.emitter = asyncio.create_task(self._emit_loop(), name="codex emit")
-        self.recorder = asyncio.create_task(self._record_loop(), name="codex ledger")
+        self.recorder.start()
         await self.rpc.call(
             "initialize",
             {
@@ -311,12 +251,14 @@ class _Run:
         thread = await self._open_thread(restored)
         self.thread_id = str(thread["id"])
         path = thread.get("path")
-        if self.rollout is None or self.rollout.codex_thread != self.thread_id:
+        if self.recorder.rollout is None or self.recorder.rollout.codex_thread != self.thread_id:
             rel = _relative(path, self.home)
-            self.rollout = _Rollout(self.thread_id, rel) if _ROLLOUT.fullmatch(rel) else None
-        if self.rollout is not None:
+            self.recorder.rollout = Rollout(self.thread_id, rel) if ROLLOUT.fullmatch(rel) else None
+        if self.recorder.rollout is not None:
             start = state.get("writer") if isinstance(state.get("writer"), str) else None
-            self._record_later({"ev": "turn", "from": start, "codex_thread": self.thread_id})
+            self.recorder.record_later(
+                {"ev": "turn", "from": start, "codex_thread": self.thread_id}
+            )
         told = [*self._interruption(), *self._old_notes(state), self.turn.prompt]
         text = "\n\n".join(told).strip() or "(continue)"
         started = await self.rpc.call(
@@ -362,11 +304,15 @@ class _Run:
         }
         if self.cfg.model:
             common["model"] = self.cfg.model
-        if restored and self.rollout is not None:
+        if restored and self.recorder.rollout is not None:
             try:
                 res = await self.rpc.call(
                     "thread/resume",
-                    {"threadId": self.rollout.codex_thread, "excludeTurns": True, **common},
+                    {
+                        "threadId": self.recorder.rollout.codex_thread,
+                        "excludeTurns": True,
+                        **common,
+                    },
                     _START_TIMEOUT,
                 )
                 return dict(res["thread"])
@@ -376,10 +322,10 @@ class _Run:
                     extra={"thread_id": self.turn.thread_id, "error": str(e)},
                 )
                 await self.turn.emit(
-                    f"(The Codex session {self.rollout.codex_thread} could not be resumed: {e}."
-                    " Starting a new one.)"
+                    f"(The Codex session {self.recorder.rollout.codex_thread} could not be resumed:"
+                    f" {e}. Starting a new one.)"
                 )
-                self.rollout = None
+                self.recorder.rollout = None
         res = await self.rpc.call("thread/start", common, _START_TIMEOUT)
         return dict(res["thread"])
 
@@ -396,8 +342,8 @@ class _Run:
     async def _result(self, finished: dict[str, Any]) -> TurnResult:
         await self._drain_emits()
         await self.app.stop()
-        await self._drain_records()
-        await self._sync()
+        await self.recorder.drain()
+        await self.recorder.sync()
         state = self._state()
         status = finished.get("status")
         if self.parked is not None:
@@ -412,10 +358,10 @@ class _Run:
         """The harness state; `open` for one stored with a question, in the middle of the turn
         (so a replica that finds the turn cut off knows which turn's ledger to read)."""
         state: dict[str, Any] = {"codex_thread": self.thread_id}
-        if self.rollout is not None:
-            state["rollout"] = self.rollout.rel
-            state["segments"] = self.rollout.state_segments()
-            state["writer"] = self.rollout.writer
+        if self.recorder.rollout is not None:
+            state["rollout"] = self.recorder.rollout.rel
+            state["segments"] = self.recorder.rollout.state_segments()
+            state["writer"] = self.recorder.rollout.writer
             if open:
                 state["open"] = True
         if self.notes:
@@ -428,8 +374,7 @@ class _Run:
         """Whatever happened, leave nothing running."""
         for task in self.tasks:
             task.cancel()
-        if self.recorder is not None and not self.recorder.done():
-            self.recorder.cancel()
+        self.recorder.cancel()
         if self.emitter is not None and not self.emitter.done():
             self.emitter.cancel()
         await self.app.close()
@@ -467,7 +412,7 @@ class _Run:
                 item_id = str(item.get("id"))
                 if item.get("type") == "fileChange":
                     self.items[item_id] = item
-                self._record_call(item_id, item_what(item), item_kind(item), asked=False)
+                self.recorder.record_call(item_id, item_what(item), item_kind(item), asked=False)
         elif method == "item/completed":
             item = params.get("item")
             if isinstance(item, dict) and item.get("type") == "agentMessage":
@@ -475,7 +420,7 @@ class _Run:
                 if isinstance(text, str) and text.strip():
                     self.emits.put_nowait(text)
             elif isinstance(item, dict) and item.get("type") in ("fileChange", "commandExecution"):
-                self._record_result(item)
+                self.recorder.record_result(item)
         elif (
             method == "turn/completed"
             and params.get("threadId") in (None, self.thread_id)
@@ -483,75 +428,6 @@ class _Run:
         ):
             turn = params.get("turn")
             self.done.set_result(turn if isinstance(turn, dict) else {})
-
-    # -- the call ledger (workers.agents.codex_transcript) -----------------------------------------
-
-    async def _record_loop(self) -> None:
-        """Ledger entries and rollout copies, one at a time and in order."""
-        while (job := await self.records.get()) is not None:
-            action, done = job
-            try:
-                await action()
-            except Exception as e:  # Redis down: the record is lost, the turn goes on
-                logger.warning("codex.record_failed", extra={"error": repr(e)})
-                if done is not None and not done.done():
-                    done.set_result(False)
-                continue
-            if done is not None and not done.done():
-                done.set_result(True)
-
-    def _append_entry(self, entry: dict[str, Any]) -> Callable[[], Awaitable[None]]:
-        store, writer = self.turn.store, self.rollout.writer if self.rollout else None
-
-        async def append() -> None:
-            if store is not None and writer is not None:
-                await store.append(CALLS_KEY, [{"w": writer, **entry}])
-
-        return append
-
-    def _record_later(self, entry: dict[str, Any]) -> None:
-        self.records.put_nowait((self._append_entry(entry), None))
-
-    async def _record_now(self, entry: dict[str, Any]) -> bool:
-        """Record `entry` before going on; False when it could not be stored."""
-        if self.turn.store is None or self.rollout is None:
-            return True  # nothing is kept across turns: nobody will read it
-        if self.recorder is None or self.recorder.done():
-            return False
-        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self.records.put_nowait((self._append_entry(entry), done))
-        return await done
-
-    def _record_call(self, item_id: str, what: str, kind: str, *, asked: bool) -> None:
-        if not item_id or (item_id in self.known and not asked):
-            return
-        self.known.add(item_id)
-        self._record_later(
-            {"ev": "call", "id": item_id, "what": what, "kind": kind, "asked": asked}
-        )
-
-    def _record_result(self, item: dict[str, Any]) -> None:
-        """A call finished: record it, and copy the transcript up to its output at once, so
-        a replica killed from now on leaves the truth behind."""
-        item_id = str(item.get("id"))
-        code = item.get("exitCode")
-        self._record_call(item_id, item_what(item), item_kind(item), asked=False)
-        self._record_later(
-            {
-                "ev": "result",
-                "id": item_id,
-                "status": str(item.get("status") or ""),
-                "exit": code if isinstance(code, int) and not isinstance(code, bool) else None,
-            }
-        )
-        self.records.put_nowait((lambda: self._sync(wait_for=_output_of(item_id)), None))
-
-    async def _drain_records(self) -> None:
-        if self.recorder is None or self.recorder.done():
-            return
-        await self.records.put(None)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self.recorder), 10)
 
     # -- server requests ---------------------------------------------------------------------
 
@@ -600,7 +476,7 @@ class _Run:
         async with self.lock:
             if self.parked is not None:
                 return NotAnswered("parked")
-            await self._sync_now(wait_for=_holds(item_id))
+            await self.recorder.sync_now(wait_for=holds(item_id))
             try:
                 return await self.turn.handle.ask(kind, questions, state=self._state(open=True))
             except PromptParked as e:
@@ -619,11 +495,11 @@ class _Run:
         changes = self.items.get(item_id, {}).get("changes")
         what = request_what(method, params)
         if item_id:
-            self.known.add(item_id)
+            self.recorder.known.add(item_id)
             call = call_what(method, params, changes)
             kind = {COMMAND: "command", FILE_CHANGE: "file"}.get(method, "permissions")
             entry = {"ev": "call", "id": item_id, "what": call, "kind": kind, "asked": True}
-            await self._record_now(entry)
+            await self.recorder.record_now(entry)
         if self.turn.permissions == "autonomous":  # Codex runs `never`: it should not ask
             return await self._reply(method, params, item_id, "accept")
         if self.turn.permissions == "guarded" and self.turn.gate is not None:
@@ -670,7 +546,9 @@ class _Run:
     ) -> dict[str, Any]:
         """The reply, once the ledger holds it: a crash after this reads as "may have run"."""
         payload = approval_payload(method, params, decision)
-        recorded = await self._record_now({"ev": "reply", "id": item_id, "decision": decision})
+        recorded = await self.recorder.record_now(
+            {"ev": "reply", "id": item_id, "decision": decision}
+        )
         if not recorded and decision in ("accept", "session"):
             # Unrecorded, an approval could run a call that a replica taking over would
             # report as never run: refuse it instead; asking again will retry.
@@ -696,14 +574,14 @@ class _Run:
         the call's result instead of Codex's "aborted by user" (the transcript is rewritten as
         it is stored), and `note` right after, in a follow-up turn started at once."""
         if item_id:
-            self.told[item_id] = output
-        self.aborted = ended_words(why)
+            self.recorder.told[item_id] = output
+        self.recorder.aborted = ended_words(why)
         if note:
             self.notes.append(note)
         self.follow_up = self.follow_up or follow_up
         if method == PERMISSIONS:  # its reply has no cancel: interrupt, then grant nothing
             await self._interrupt()
-        await self._record_now({"ev": "reply", "id": item_id, "decision": "cancel"})
+        await self.recorder.record_now({"ev": "reply", "id": item_id, "decision": "cancel"})
         return approval_payload(method, params, "cancel")
 
     async def _unanswered(
@@ -729,8 +607,8 @@ class _Run:
         if isinstance(outcome, NotAnswered):
             output, note = unanswered_words(outcome, "an answer to your question", "Question")
             if item_id:
-                self.told[item_id] = output
-            self.aborted = ended_words(why_unanswered(outcome))
+                self.recorder.told[item_id] = output
+            self.recorder.aborted = ended_words(why_unanswered(outcome))
             if note:
                 self.notes.append(note)
             self.follow_up = self.follow_up or outcome.why != "parked"
@@ -745,125 +623,6 @@ class _Run:
             await self.rpc.call(
                 "turn/interrupt", {"threadId": self.thread_id, "turnId": self.turn_id}, 10
             )
-
-    # -- the rollout -------------------------------------------------------------------------
-
-    async def _restore(self, state: dict[str, Any]) -> bool:
-        """Write the stored rollout into this turn's CODEX_HOME; True if it can be resumed.
-
-        After a cut-off turn (`Turn.interrupted`) that turn's lines are taken too, up to the
-        last one it stored (a call's output is stored as soon as Codex reports it). A call left
-        with no output gets one saying what is known of it (`codex_transcript.describe`),
-        which Codex would otherwise fill in as "aborted".
-        """
-        codex_thread, rel, segments = (
-            state.get("codex_thread"),
-            state.get("rollout"),
-            state.get("segments"),
-        )
-        if not (isinstance(codex_thread, str) and isinstance(rel, str)):
-            return False
-        if not _ROLLOUT.fullmatch(rel) or ".." in rel.split("/"):
-            return False
-        store = self.turn.store
-        if not isinstance(segments, list) or not segments or store is None:
-            return False
-        entries = await store.load(_store_key(codex_thread)) or []
-        segments = list(segments)
-        ledger: list[Any] | None = None
-        if self.turn.interrupted is not None:
-            ledger = await store.load(CALLS_KEY) or []
-            cut = interrupted_writer(ledger, state)
-            if cut is not None:
-                segments = _extend(segments, cut, entries)
-        lines = _restore_lines(entries, segments)
-        if not lines:
-            await self.turn.emit(
-                f"(The transcript of Codex session {codex_thread} is missing from the store;"
-                " starting a new Codex session.)"
-            )
-            return False
-        extra: list[str] = []
-        dangling = dangling_calls(lines)
-        if dangling:
-            if ledger is None:
-                ledger = await store.load(CALLS_KEY) or []
-            calls = calls_of(ledger)
-            for call_id, call_type in dangling:
-                call = calls.get(call_id) or Call(call_id, "this call", "other")
-                extra.append(
-                    output_line([*lines, *extra], call_id, call_type, describe(call) + ".")
-                )
-        path = self.home / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join([*lines, *extra]) + "\n")
-        # The outputs written here are this turn's own lines: the next `_sync` stores them.
-        self.rollout = _Rollout(codex_thread, rel, segments=segments, base=len(lines))
-        return True
-
-    async def _sync_now(self, wait_for: Callable[[bytes], bool] | None = None) -> None:
-        """`_sync`, in order with the ledger's writes."""
-        if self.recorder is None or self.recorder.done():
-            await self._sync(wait_for)
-            return
-        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self.records.put_nowait((lambda: self._sync(wait_for), done))
-        await done
-
-    async def _sync(self, wait_for: Callable[[bytes], bool] | None = None) -> None:
-        """Append the rollout's new complete lines to the store, in our words where we stopped
-        a call (`codex_transcript.rewrite_line`). With `wait_for`, first wait briefly until
-        Codex has written what it looks for (a call, a call's output), so a resume sees it."""
-        r, store = self.rollout, self.turn.store
-        if r is None or store is None:
-            return
-        path = self.home / r.rel
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 1.0
-        while True:
-            try:
-                data = await asyncio.to_thread(path.read_bytes)
-            except OSError:
-                data = b""
-            if wait_for is None or wait_for(data) or loop.time() > deadline:
-                break
-            await asyncio.sleep(0.02)
-        complete = data[: data.rfind(b"\n") + 1].decode(errors="replace")
-        lines = complete.splitlines()
-        new = lines[r.base + r.synced :]
-        if new:
-            words = [rewrite_line(x, self.told, self.aborted) for x in new]
-            await store.append(_store_key(r.codex_thread), [{"w": r.writer, "l": x} for x in words])
-            r.synced += len(new)
-
-
-def _extend(segments: list[Any], writer: str, entries: Sequence[Any]) -> list[Any]:
-    """`segments` with every line `writer` stored, its own segment grown or added last."""
-    count = sum(1 for e in entries if isinstance(e, dict) and e.get("w") == writer and "l" in e)
-    if not count:
-        return segments
-    out = [seg for seg in segments if not (isinstance(seg, list) and seg and seg[0] == writer)]
-    return [*out, [writer, count]]
-
-
-def _holds(call_id: str) -> Callable[[bytes], bool]:
-    """Does the rollout name `call_id` yet (its call has been written)?"""
-    needle = call_id.encode()
-
-    def check(data: bytes) -> bool:
-        return not needle or needle in data
-
-    return check
-
-
-def _output_of(call_id: str) -> Callable[[bytes], bool]:
-    """Does the rollout hold the output of `call_id` yet?"""
-    needle = f'"call_id":"{call_id}"'.encode()
-
-    def check(data: bytes) -> bool:
-        return any(b"_call_output" in line and needle in line for line in data.splitlines())
-
-    return check
 
 
 def _relative(path: object, home: Path) -> str:

@@ -3,7 +3,7 @@ a crash: the call ledger, the truth about a call that was in flight, and the edi
 Codex's own transcript (the rollout) before Codex reads it again.
 
 The ledger is a list in the agent store (`Turn.store`, key `codex-calls`), one entry per event,
-each tagged with the writing turn (`w`, the rollout writer of `workers.agents.codex`):
+each tagged with the writing turn (`w`, the rollout writer of `workers.agents.codex_recorder`):
 
 - `{"ev": "turn", "from": <writer of the state the turn started from, or null>}` when the turn
   has its Codex thread;
