@@ -23,6 +23,7 @@ from broker.keys import Keys
 from broker.models import Answer, Item, Kind, Option, Prompt, PromptState, Question, Routed
 from broker.sessions import Grant, Session, Sessions, Waiting
 from broker.settings import Settings
+from broker.timing import Step, Timing, parse_duration
 
 __all__ = [
     "LIMITS",
@@ -49,10 +50,13 @@ __all__ = [
     "Sessions",
     "Settings",
     "StaleAnswer",
+    "Step",
     "ThreadClosed",
     "ThreadNotFound",
+    "Timing",
     "Waiting",
     "map_text",
+    "parse_duration",
     "render_content",
     "verdict",
 ]

@@ -122,4 +122,5 @@ def prompt_from_hash(thread_id: str, prompt_id: str, h: Mapping[str, str]) -> Pr
         resolved_at=_opt_ms(h.get("resolved")),
         delivered_at=_opt_ms(h.get("delivered")),
         audit_item_id=h.get("audit_item"),
+        escalated_to=h.get("escalated"),
     )

@@ -40,6 +40,8 @@ NAMES = (
     "close",
     "agent",
     "compact",
+    "timing",
+    "step",
 )
 
 

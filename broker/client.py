@@ -3,8 +3,9 @@
 This module holds its lifecycle (connections, closing) and the transitions that open and close a
 prompt (`ask`, `cancel`) and a harness's own data on the thread. The rest the `Broker` inherits
 from its parts: the reads (broker/reads.py), waiting and delivery with the audit that follows
-(broker/delivery.py), routing what people post (broker/routing.py), on the state they share
-(broker/_base.py); the input checks are broker/checks.py.
+(broker/delivery.py), routing what people post (broker/routing.py), deadlines, reminders and
+escalation (broker/timing.py), on the state they share (broker/_base.py); the input checks are
+broker/checks.py.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from broker.models import Prompt, Question
 from broker.routing import Routing
 from broker.sessions import Sessions
 from broker.settings import Settings
+from broker.timing import Timings
 
 __all__ = ["AUDIT_JOB", "Broker"]
 
@@ -58,7 +60,7 @@ def _ms(stream_id_or_ms: str) -> int:
     return int(stream_id_or_ms.partition("-")[0])
 
 
-class Broker(Routing, Delivery):
+class Broker(Routing, Delivery, Timings):
     """The front door to prompts on Redis. Use it as an async context manager::
 
         async with Broker.from_url("redis://localhost:6379/0") as broker:

@@ -7,7 +7,8 @@ cap (its last event was trimmed away) is told so and refetches the snapshot.
 
 `<prefix>:events` (stream), one entry per event, fields:
 
-- `event`: `prompt.opened`, `prompt.answered` or `prompt.cancelled`;
+- `event`: `prompt.opened`, `prompt.answered`, `prompt.cancelled`, `prompt.reminder` or
+  `prompt.escalated` (the last two from a timekeeper: broker/timing.py);
 - `thread`, `prompt`: the ids;
 - `data`: JSON of what else the event says (`kind`, `source`, `answered_by`, `reason`).
 
@@ -31,8 +32,10 @@ from broker.keys import Keys
 __all__ = [
     "ANSWERED",
     "CANCELLED",
+    "ESCALATED",
     "EVENTS_MAXLEN",
     "OPENED",
+    "REMINDER",
     "Event",
     "EventName",
     "append_event",
@@ -45,11 +48,16 @@ __all__ = [
     "still_held",
 ]
 
-EventName = Literal["prompt.opened", "prompt.answered", "prompt.cancelled"]
+EventName = Literal[
+    "prompt.opened", "prompt.answered", "prompt.cancelled", "prompt.reminder", "prompt.escalated"
+]
 OPENED: Final = "prompt.opened"
 ANSWERED: Final = "prompt.answered"
 CANCELLED: Final = "prompt.cancelled"
-_NAMES = frozenset({OPENED, ANSWERED, CANCELLED})
+#: Written by a timekeeper (broker/timing.py): a prompt's reminder came, or its escalation.
+REMINDER: Final = "prompt.reminder"
+ESCALATED: Final = "prompt.escalated"
+_NAMES = frozenset({OPENED, ANSWERED, CANCELLED, REMINDER, ESCALATED})
 
 #: The cap (approximate, as Redis trims whole nodes): a reader further behind gets a reset.
 EVENTS_MAXLEN = 10_000

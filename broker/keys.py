@@ -116,6 +116,11 @@ class ThreadKeys:
     def idems(self) -> str:
         return self.base + "idems"
 
+    @property
+    def timing(self) -> str:
+        """The thread's timing for its prompts (broker/timing.py), a hash: `spec`."""
+        return self.base + "timing"
+
     def agent(self, name: str) -> str:
         """A harness's own durable data (e.g. a Claude Code transcript), a list of JSON."""
         return self.base + "agent:" + name
@@ -146,6 +151,11 @@ class Keys:
     @property
     def audit(self) -> str:
         return f"{self.prefix}:audit"
+
+    @property
+    def due(self) -> str:
+        """Prompts with a timing, scored by when their next step is due (broker/timing.py)."""
+        return f"{self.prefix}:due"
 
     @property
     def leases(self) -> str:

@@ -153,6 +153,7 @@ class Prompt(BaseModel):
     resolved_at: datetime | None = None
     delivered_at: datetime | None = None
     audit_item_id: str | None = None
+    escalated_to: str | None = None  # the token scope its timing widened answering to
 
 
 class Routed(BaseModel):

@@ -122,7 +122,9 @@ def test_architecture_lists_every_key() -> None:
         thread.agents,
         thread.prompts,
         thread.idems,
+        thread.timing,
         keys.open,
+        keys.due,
         keys.audit,
         keys.leases,
         keys.replicas,
@@ -136,7 +138,7 @@ def test_architecture_lists_every_key() -> None:
         assert f"| `{name}` |" in ARCHITECTURE, f"{name} is not in docs/architecture.md"
     built = {n for n in dir(thread) if not n.startswith("_")} - {"thread_id", "base"}
     known = {"items", "active", "inbox", "session", "wake", "prompt", "agent"}
-    assert built <= known | {"agents", "prompts", "idems"}, (
+    assert built <= known | {"agents", "prompts", "idems", "timing"}, (
         f"a new per-thread key ({built}): add it to docs/architecture.md and to this test"
     )
 

@@ -104,7 +104,7 @@ local function retire_thread(base, ttl)
   for _, idem in ipairs(redis.call('ZRANGE', base .. 'idems', 0, -1)) do
     expire_by(base .. 'idem:' .. idem, ttl)
   end
-  for _, suffix in ipairs({'items', 'active', 'inbox', 'session', 'prompts', 'agents', 'idems'}) do
+  for _, suffix in ipairs({'items', 'active', 'inbox', 'session', 'prompts', 'agents', 'idems', 'timing'}) do
     expire_by(base .. suffix, ttl)
   end
 end

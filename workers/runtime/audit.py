@@ -302,9 +302,10 @@ async def serve(settings: Settings) -> None:
         loop.add_signal_handler(sig, on_signal)
     delay = _RESTART_FIRST
     from workers.runtime.health import serve_audit_ops  # ops: /metrics, /livez, /readyz
+    from workers.runtime.timekeeper import keeping_time  # deadlines, reminders, escalation
 
     try:
-        async with serve_audit_ops(settings):
+        async with serve_audit_ops(settings), keeping_time(settings):
             while not stop.is_set():
                 if await _run_worker(settings, running, stop):
                     return

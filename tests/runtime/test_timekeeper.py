@@ -1,0 +1,203 @@
+"""The timekeeper (workers/runtime/timekeeper.py) carries out timings: reminders and escalation
+as events, the deadline as a cancel with reason `expired`; each once across audit workers, on
+server time, through kill -9 and restarts. Real processes on a real redis-server, and in-process
+timekeepers where the point is a race."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from broker import Broker, PromptCancelled, Timing
+from tests.conftest import RedisServer
+from tests.helpers import cli, eventually, process
+from workers.runtime.timekeeper import Timekeeper
+
+pytestmark = [pytest.mark.real_redis]
+
+Q = {"question": "Target?", "options": [{"label": "staging"}, {"label": "production"}]}
+PICK = (
+    '{"turns": [{"steps": [{"ask": [{"question": "Pick one", "header": "pick", '
+    '"options": [{"label": "A"}, {"label": "B"}]}]}, {"say": "after the question"}]}]}'
+)
+
+
+@pytest.fixture
+def env(redis_server_factory: Callable[..., RedisServer]) -> dict[str, str]:
+    server = redis_server_factory()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROMPT_BROKER_")}
+    return clean | {
+        "PROMPT_BROKER_REDIS_URL": server.url,
+        "PROMPT_BROKER_ADOPT_INTERVAL": "0.3",
+        "PROMPT_BROKER_OPS_TURN_TIMEOUT": "0",
+    }
+
+
+def _text(v: str | bytes) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def prompt_events(r: redis.Redis, prompt_id: str) -> list[dict[str, str]]:
+    return [f for _, f in r.xrange("pp:events") if f["prompt"] == prompt_id]
+
+
+def set_timing(env: dict[str, str], thread_id: str, timing: Timing) -> None:
+    async def go() -> None:
+        async with Broker.from_url(env["PROMPT_BROKER_REDIS_URL"]) as b:
+            await b.set_timing(thread_id, timing)
+
+    asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_a_held_question_is_reminded_escalated_and_expires_once(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Two audit workers: the reminder and the escalation come once each, then the prompt is
+    cancelled `expired` (never answered) and its agent is told."""
+    r = redis.Redis.from_url(env["PROMPT_BROKER_REDIS_URL"], decode_responses=True)
+    script = tmp_path / "script.json"
+    script.write_text(PICK)
+    with process(["worker"], env), process(["audit"], env), process(["audit"], env):
+        made = cli("thread", "new", "t1", "--script", str(script), env=env)
+        assert made.returncode == 0, made.stderr
+        set_timing(env, "t1", Timing(remind=(2,), escalate=3, escalate_to="oncall", deadline=5))
+        assert cli("answer", "t1", "go", env=env).returncode == 0
+        eventually(lambda: r.zcard("pp:open") == 1, "the question")
+        [member] = r.zrange("pp:open", 0, -1)
+        prompt_id = member.split("/")[1]
+        key = f"pp:{{t1}}:prompt:{prompt_id}"
+        eventually(lambda: r.hget(key, "state") == "cancelled", "the expiry", 20)
+        time.sleep(1.0)  # both look again: nothing more happens
+        assert r.hget(key, "reason") == "expired" and r.hget(key, "answers") is None
+        assert r.hget(key, "escalated") == "oncall"
+        got = prompt_events(r, prompt_id)
+        names = [e["event"] for e in got]
+        assert names == ["prompt.opened", "prompt.reminder", "prompt.escalated", "prompt.cancelled"]
+        created = int(r.hget(key, "created") or 0)
+        at = [int(e_id.split("-")[0]) - created for e_id, f in r.xrange("pp:events")
+              if f["prompt"] == prompt_id]  # fmt: skip
+        assert 2000 <= at[1] < 3500 and 3000 <= at[2] < 4500 and 5000 <= at[3] < 7000, at
+        out = eventually(
+            lambda: "expired" in (s := cli("show", "t1", env=env).stdout) and s, "told"
+        )
+        assert "approved" not in out.lower().replace("not approved", "")
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_timekeeper_loses_no_deadline_and_repeats_nothing(env: dict[str, str]) -> None:
+    """40 prompts with a reminder at 1 s and a deadline at 2.5 s; one of two audit workers is
+    killed with SIGKILL midway, and a third starts later: every prompt expires exactly once, no
+    reminder comes twice."""
+    url = env["PROMPT_BROKER_REDIS_URL"]
+    r = redis.Redis.from_url(url, decode_responses=True)
+    n = 40
+
+    async def ask_all() -> list[str]:
+        async with Broker.from_url(url) as b:
+            ids = []
+            for i in range(n):
+                t = f"k{i}"
+                await b.post_item(
+                    t, {"author": "alice", "content": [{"type": "text", "text": "hi"}]}
+                )
+                await b.set_timing(t, Timing(remind=(1,), deadline=2.5))
+                ids.append((await b.ask(t, "ask_user_question", [Q])).prompt_id)
+                await asyncio.sleep(0.05)  # spread over 2 s: the kill lands among their steps
+            return ids
+
+    with process(["audit"], env) as first, process(["audit"], env):
+        ids = asyncio.run(ask_all())
+        first.send_signal(signal.SIGKILL)
+        first.wait(5)
+        with process(["audit"], env):
+            eventually(
+                lambda: all(r.hget(f"pp:{{k{i}}}:prompt:{p}", "state") == "cancelled"
+                            for i, p in enumerate(ids)),
+                "every prompt expired", 30,
+            )  # fmt: skip
+            time.sleep(1.0)
+    counts = Counter((f["prompt"], f["event"]) for _, f in r.xrange("pp:events"))
+    for i, p in enumerate(ids):
+        assert r.hget(f"pp:{{k{i}}}:prompt:{p}", "reason") == "expired"
+        assert counts[(p, "prompt.cancelled")] == 1
+        assert counts[(p, "prompt.reminder")] <= 1  # at most once, even across the kill
+    # A reminder is lost only if the kill fell between taking it and writing its event.
+    assert sum(counts[(p, "prompt.reminder")] for p in ids) >= n - 1
+
+
+async def test_racing_timekeepers_take_every_step_once(make_broker: Any) -> None:
+    """Three timekeepers on three connections, 30 prompts: each reminder and escalation once,
+    each expiry once; waiters learn `expired`."""
+    brokers = [await make_broker() for _ in range(3)]
+    b = brokers[0]
+    ids = []
+    for i in range(30):
+        ids.append((await b.ask(f"r{i}", "ask_user_question", [Q])).prompt_id)
+        await b.set_timing(
+            f"r{i}",
+            Timing(remind=(0.2, 0.4), escalate=0.3, escalate_to="leads", deadline=0.8),
+            prompt_id=ids[-1],
+        )
+    waits = [asyncio.create_task(b.wait(f"r{i}", p, timeout=10)) for i, p in enumerate(ids)]
+    keepers = [Timekeeper(x, interval=0.02) for x in brokers]
+    tasks = [asyncio.create_task(k.run()) for k in keepers]
+    try:
+        for w in waits:
+            with pytest.raises(PromptCancelled) as e:
+                await w
+            assert e.value.reason == "expired"
+        await asyncio.sleep(0.2)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    counts: Counter[tuple[str, str]] = Counter()
+    for _, fields in await b.redis.xrange(f"{b.keys.prefix}:events"):
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        counts[(f["prompt"], f["event"])] += 1
+    for p in ids:
+        assert counts[(p, "prompt.reminder")] == 2
+        assert counts[(p, "prompt.escalated")] == 1
+        assert counts[(p, "prompt.cancelled")] == 1
+    assert await b.redis.zcard(b.keys.due) == 0  # nothing left to look at
+
+
+async def test_what_opened_while_no_timekeeper_ran_is_found(make_broker: Any) -> None:
+    """A thread's timing reaches a prompt asked while no timekeeper ran (the first look scans
+    the open prompts), and one asked while it runs (it follows the event log)."""
+    b = await make_broker()
+    await b.post_item("w", {"author": "alice", "content": [{"type": "text", "text": "hi"}]})
+    await b.set_timing("w", Timing(deadline=0.3))
+    before = await b.ask("w", "ask_user_question", [Q])
+    await b.redis.delete(b.keys.due)  # as if it had never been scheduled
+    keeper = Timekeeper(b, interval=0.02)
+    task = asyncio.create_task(keeper.run())
+    try:
+        with pytest.raises(PromptCancelled):
+            await b.wait("w", before.prompt_id, timeout=5)
+        later = await b.ask("w", "ask_user_question", [Q])
+        started = time.monotonic()
+        with pytest.raises(PromptCancelled) as e:
+            await b.wait("w", later.prompt_id, timeout=5)
+        assert e.value.reason == "expired" and time.monotonic() - started >= 0.25
+        untimed = await b.ask("u", "ask_user_question", [Q])
+        await asyncio.sleep(0.5)
+        assert (await b.get_prompt("u", untimed.prompt_id)).state == "pending"  # no timing: none
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.fixture
+def backend() -> str:
+    return "real"
