@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from broker import Answer, Option, Question
 from broker.answers import is_affirmative
+from workers.agents.harness import Interruption, describe_delivered
 
 __all__ = [
     "APPROVAL_METHODS",
@@ -30,6 +31,7 @@ __all__ = [
     "call_what",
     "decision_of",
     "ended_words",
+    "interruption_words",
     "item_kind",
     "item_what",
     "offers",
@@ -326,3 +328,19 @@ def decision_of(answers: Sequence[Answer]) -> Decision:
     if " ".join(label.split()).casefold() == SESSION_LABEL.casefold():
         return "session"
     return "accept" if is_affirmative(label) else "decline"
+
+
+def interruption_words(cut: Interruption | None) -> list[str]:
+    """What the agent is told first when its previous turn was cut off."""
+    if cut is None:
+        return []
+    parts = ["Your previous turn was cut off before it ended: the replica running it stopped."]
+    if cut.delivered is not None:
+        parts.append(
+            f"Before that you had been handed {describe_delivered(cut.delivered)}; it is"
+            " not handed over again."
+        )
+    if cut.note:
+        parts.append(cut.note.rstrip(".") + ".")
+    parts.append("Nothing of that turn is repeated; a call you make again is asked again.")
+    return [" ".join(parts)]

@@ -30,7 +30,7 @@ from workers.agents.codex_transcript import (
 )
 from workers.agents.harness import Turn
 
-__all__ = ["ROLLOUT", "Recorder", "Rollout", "holds", "output_of", "store_key"]
+__all__ = ["ROLLOUT", "Recorder", "Rollout", "holds", "output_of", "relative", "store_key"]
 
 logger = logging.getLogger("workers.agents.codex")  # one logger for all the harness's modules
 
@@ -286,3 +286,13 @@ def output_of(call_id: str) -> Callable[[bytes], bool]:
         return any(b"_call_output" in line and needle in line for line in data.splitlines())
 
     return check
+
+
+def relative(path: object, home: Path) -> str:
+    """`path` under `home`, as a relative POSIX path ("" when it is not under it)."""
+    if not isinstance(path, str):
+        return ""
+    try:
+        return Path(path).relative_to(home).as_posix()
+    except ValueError:
+        return ""
