@@ -6,7 +6,9 @@ CLI talking to `workers.demo.fakes.anthropic` on 127.0.0.1: a scripted model who
 recorded, so each test checks what the model was told (the `tool_result`s). Each replica gets its
 own scratch root, so a session resumed on another replica can only come from Redis.
 
-The pure parts (answer shapes, config, the transcript store) are tested without the CLI.
+The pure parts are tested without the CLI, each beside its module: the answer shapes in
+test_claude_answers.py, the config in test_claude_config.py, the transcript store in
+test_claude_store.py, the call log's reading in test_claude_calls.py.
 """
 
 from __future__ import annotations
@@ -31,20 +33,16 @@ pytest.importorskip(
     "its bundled CLI are unavailable, so its tests are skipped",
 )
 
-from broker import Answer, BadItem, Broker, Item, Prompt, PromptCancelled, PromptUnavailable
+from broker import Answer, Broker, Item, Prompt, PromptCancelled, PromptUnavailable
+from tests.agents.test_claude_answers import DB, HOST, SIGNALS
+from tests.agents.test_claude_store import MemoryStore
 from tests.helpers import of_type, outputs, truthy, until
 from tests.runtime.test_replica import Fleet, Running, session, status_is
 from workers.agents import claude_calls
-from workers.agents.claude import (
-    ClaudeHarness,
-    RedisSessionStore,
-    ask_questions,
-    parse_config,
-    updated_input,
-)
+from workers.agents.claude import ClaudeHarness
 from workers.agents.claude_answers import PARKED_APPROVAL
 from workers.agents.claude_launch import descendants
-from workers.agents.harness import GateVerdict, Interruption, Resume, Turn, TurnResult
+from workers.agents.harness import GateVerdict, Interruption, Turn, TurnResult
 from workers.demo.fakes.anthropic import (
     FakeAnthropic,
     Reply,
@@ -233,36 +231,6 @@ def only_result(fake: FakeAnthropic, tool: str) -> tuple[dict[str, Any], dict[st
     """The model's one call of `tool`, and the (last) tool_result it received for it."""
     (call,) = fake.tool_uses(tool)
     return call, result_of(fake, call["id"])
-
-
-DB = {
-    "question": "Which database?",
-    "header": "Database",
-    "options": [
-        {"label": "SQLite", "description": "one file", "preview": "db = sqlite3.connect(...)"},
-        {"label": "Postgres", "description": "a server"},
-    ],
-    "multiSelect": False,
-}
-SIGNALS = {
-    "question": "Which signals should we collect?",
-    "header": "Signals",
-    "options": [
-        {"label": "Metrics", "description": "counters"},
-        {"label": "Logs", "description": "lines"},
-        {"label": "Traces", "description": "spans"},
-    ],
-    "multiSelect": True,
-}
-HOST = {
-    "question": "Where should it run?",
-    "header": "Host",
-    "options": [
-        {"label": "Laptop", "description": "local"},
-        {"label": "Cloud", "description": "remote"},
-    ],
-    "multiSelect": False,
-}
 
 
 def ask(*questions: dict[str, Any]) -> dict[str, Any]:
@@ -824,79 +792,6 @@ async def test_guarded_question_still_parks_by_deferral_and_resumes(
 # -- the pure parts ------------------------------------------------------------------------------
 
 
-def test_updated_input_keeps_questions_and_keys_answers_by_exact_text() -> None:
-    tool_input = {"questions": [DB, SIGNALS, HOST]}
-    out = updated_input(
-        tool_input,
-        [
-            Answer(question="x", answer=["sqlite", "tiny"]),  # a label in another case, a note
-            Answer(question="y", answer=["Logs", "Metrics"]),
-            Answer(question="z", answer=[]),  # unanswered: left out
-        ],
-    )
-    assert out["questions"] == tool_input["questions"]
-    assert out["answers"] == {
-        "Which database?": "SQLite",
-        "Which signals should we collect?": "Logs, Metrics",
-    }
-    assert out["annotations"] == {
-        "Which database?": {"notes": "tiny", "preview": "db = sqlite3.connect(...)"}
-    }
-
-
-def test_updated_input_free_text_and_duplicates() -> None:
-    twin = {**HOST, "options": [{"label": "Here", "description": ""}]}
-    tool_input = {
-        "questions": [HOST, twin],
-        "annotations": {"Where should it run?": {"preview": "p"}},
-    }
-    out = updated_input(
-        tool_input,
-        [Answer(question="a", answer=["somewhere cheap"]), Answer(question="b", answer=["Here"])],
-    )
-    assert out["answers"] == {"Where should it run?": "somewhere cheap; Here"}
-    note = out["annotations"]["Where should it run?"]
-    assert note["preview"] == "p" and "asked 2 times" in note["notes"]
-    assert [q.question for q in ask_questions(tool_input)] == [
-        "Where should it run? [1/2]",
-        "Where should it run? [2/2]",
-    ]
-
-
-def test_ask_questions_refuses_a_malformed_input() -> None:
-    with pytest.raises(BadItem):
-        ask_questions({"questions": []})
-    with pytest.raises(BadItem):
-        ask_questions({"questions": [{"header": "no text"}]})
-
-
-@pytest.mark.parametrize(
-    ("config", "field"),
-    [
-        ([], "config"),
-        ({"base_url": 5}, "config.base_url"),
-        ({"max_turns": 0}, "config.max_turns"),
-        ({"max_turns": True}, "config.max_turns"),
-        ({"script": {}}, "config.script"),
-    ],
-)
-def test_parse_config_names_the_field(config: Any, field: str) -> None:
-    with pytest.raises(BadItem) as e:
-        parse_config(config)
-    assert e.value.field == field
-
-
-class MemoryStore:
-    def __init__(self) -> None:
-        self.data: dict[str, list[Any]] = {}
-
-    async def append(self, key: str, entries: Any) -> None:
-        self.data.setdefault(key, []).extend(entries)
-
-    async def load(self, key: str) -> list[Any] | None:
-        return list(self.data[key]) if key in self.data else None
-
-
 @pytest.fixture
 def memory() -> MemoryStore:
     """A thread's agent store, in memory."""
@@ -907,33 +802,6 @@ def memory() -> MemoryStore:
 def harness(tmp_path: Path) -> ClaudeHarness:
     """A Claude harness run directly (no replica), with a scratch root of its own."""
     return ClaudeHarness(scratch_root=tmp_path / "scratch")
-
-
-async def test_session_store_dedups_by_uuid_and_lists_subkeys(memory: MemoryStore) -> None:
-    store = RedisSessionStore(memory)
-    key: Any = {"project_key": "-tmp-a", "session_id": "s1"}
-    entry = {
-        "type": "assistant",
-        "uuid": "u1",
-        "message": {"content": [{"type": "tool_use", "id": "toolu_1"}]},
-    }
-    await store.append(key, [entry, {"type": "last-prompt"}])
-    await store.append(key, [entry, {"type": "last-prompt"}])  # a retried batch
-    assert [e["type"] for e in memory.data["claude:s1"]] == [
-        "assistant",
-        "last-prompt",
-        "last-prompt",
-    ]
-    assert await store.stored("toolu_1", within=0.1)
-    assert not await store.stored("toolu_2", within=0.1)
-    other: Any = {"project_key": "-elsewhere", "session_id": "s1"}  # another replica's cwd
-    assert await RedisSessionStore(memory).load(other) == memory.data["claude:s1"]
-    sub: Any = {"project_key": "-tmp-a", "session_id": "s1", "subpath": "subagents/agent-1"}
-    await store.append(sub, [{"type": "user", "uuid": "u2"}])
-    await store.append(sub, [{"type": "user", "uuid": "u3"}])
-    assert await store.list_subkeys({"project_key": "x", "session_id": "s1"}) == [
-        "subagents/agent-1"
-    ]
 
 
 def test_quiet_env_is_the_four_quieting_variables() -> None:
@@ -1147,33 +1015,6 @@ async def test_a_call_whose_result_was_recorded_is_said_to_have_run_with_its_exi
     assert content(marker) == "RAN\n"
 
 
-def test_describe_reads_the_call_log() -> None:
-    """The pure reading of the call log: refusals, deferrals and waits for a person are not in
-    flight; an allowed call with no result is; a recorded result ran; an old turn is ignored;
-    odd records never raise."""
-    from workers.agents.claude_calls import describe, result_record
-
-    def call(i: str, tool: str = "Bash") -> dict[str, Any]:
-        return {"e": "call", "id": i, "tool": tool, "detail": f"cmd {i}"}
-
-    old = [{"e": "turn"}, call("a"), {"e": "allowed", "id": "a"}]
-    assert describe([*old, {"e": "turn"}]) == ""
-    assert describe(old).startswith("Bash `cmd a` was interrupted; it may or may not")
-    ran = [*old, result_record("a", False, "(Bash completed with no output)")]
-    assert describe(ran) == "Bash `cmd a` ran, exit code 0"
-    assert describe([*ran, call("b"), {"e": "asking", "id": "b"}]) == ""  # waits for a person
-    assert describe([*ran, call("b"), {"e": "refused", "id": "b"}]) == ""
-    assert describe([*ran, call("b"), {"e": "deferred", "id": "b"}]) == ""
-    refused = [*ran, call("b"), {"e": "refused", "id": "b"}, result_record("b", True, "Denied")]
-    assert describe(refused) == ""  # a refusal's result is not a run
-    write = [{"e": "turn"}, call("w", "Write"), result_record("w", True, "EACCES\nmore")]
-    assert describe(write) == "Write `cmd w` ran and returned an error: EACCES"
-    both = [*old, call("b"), {"e": "allowed", "id": "b"}]
-    assert describe(both).count("was interrupted") == 2
-    assert describe(None) == describe([]) == describe([5, "x", {"e": "result"}]) == ""
-    assert describe([{"e": "call", "id": "z"}]).startswith("`?` was interrupted")
-
-
 async def test_describe_interruption_says_what_is_not_known_when_the_log_cannot_be_read(
     harness: ClaudeHarness, memory: MemoryStore
 ) -> None:
@@ -1188,18 +1029,6 @@ async def test_describe_interruption_says_what_is_not_known_when_the_log_cannot_
     assert "may or may not have taken effect" in note
     assert await harness.describe_interruption("t1", None, None) == ""
     assert await harness.describe_interruption("t1", None, memory) == ""
-
-
-def test_preface_tells_the_delivered_answer_and_the_note() -> None:
-    from workers.agents.claude_calls import preface
-
-    delivered = Resume(
-        "prm_1", "approval", "Bash", [Answer(question="q", answer=["yes"])], "approve"
-    )
-    told = preface(Interruption(delivered=delivered, note="Bash `x` ran, exit code 0"))
-    assert "you had been handed the person approved `Bash` (prompt prm_1)" in told
-    assert told.endswith("Bash `x` ran, exit code 0.]")
-    assert preface(None) == ""
 
 
 # -- end to end: two replica processes, the one running an approved command SIGKILLed ------------
