@@ -63,6 +63,14 @@ def test_wheel_builds_without_setuptools_warnings(tmp_path: Path) -> None:
     assert "License-Expression: MIT" in metadata
     static = {p.name for p in (ROOT / "web" / "static").glob("*") if p.is_file()}
     assert {n.rsplit("/", 1)[1] for n in names if n.startswith("web/static/")} == static
+    # Every package of ours is in it (pyproject lists them one by one: a new one is easy to miss).
+    ours = {
+        str(p.parent.relative_to(ROOT))
+        for top in ("broker", "workers", "web")
+        for p in (ROOT / top).rglob("__init__.py")
+    }
+    missing = ours - {n.rsplit("/", 1)[0] for n in names}
+    assert not missing, f"packages not in the wheel (add them to pyproject.toml): {missing}"
 
 
 def test_editable_install_without_setuptools_warnings(tmp_path: Path) -> None:
