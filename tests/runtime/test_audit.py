@@ -139,6 +139,18 @@ async def test_rebuild_restores_lost_indexes(broker: Broker, run_worker: RunWork
     assert len(resolutions(await broker.items("b"), gone.prompt_id)) == 1
 
 
+async def test_the_full_sweep_rebuilds_the_lease_indexes(broker: Broker) -> None:
+    """A thread whose lease index entry was lost (a failover) is found again by the sweep the
+    reconcile job runs every tenth time, so a replica can claim it."""
+    await broker.sessions.create("lost", "scripted", "approval", {})
+    await broker.redis.delete(broker.keys.leases)
+    counts = await audit.reconcile({"broker": broker, "runs": 1})  # not a full sweep
+    assert "leases_unowned" not in counts and await broker.redis.zcard(broker.keys.leases) == 0
+    counts = await audit.reconcile({"broker": broker, "runs": 0})  # the next one is
+    assert counts["leases_unowned"] == 1
+    assert await broker.redis.zrange(broker.keys.leases, 0, -1) in (["lost"], [b"lost"])
+
+
 async def test_rebuild_drops_index_entries_with_no_record(broker: Broker) -> None:
     """Members of `open` and `audit` whose prompt record is gone are dropped; the rest stay."""
     kept = await broker.ask("a", "approval", [APPROVAL])

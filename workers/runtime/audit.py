@@ -10,7 +10,7 @@ s` to `job_timeout + 1 s`; arq's command keeps its `+ 10 s`.
   received is never posted.
 - `reconcile` (cron, every 15 s) re-enqueues every resolution still unposted in the `audit`
   index; every tenth run it also rebuilds the `open` and `audit` indexes from the prompt records,
-  which decide.
+  and the lease indexes from the session records, which decide.
 """
 
 from __future__ import annotations
@@ -90,6 +90,10 @@ async def reconcile(ctx: dict[str, Any]) -> dict[str, int]:
     counts = {"requeued": 0}
     if ctx["runs"] % FULL_SWEEP_EVERY == 1:
         counts |= await rebuild_indexes(broker)
+        # The lease indexes too (threads to claim, each holder's set): after a failover that
+        # lost them, a dead replica's threads are found again here.
+        leases = await broker.sessions.rebuild_leases()
+        counts |= {f"leases_{name}": n for name, n in leases.items()}
     before = ULID().milliseconds - int(broker.settings.audit_grace * 1000)
     members = await broker.redis.zrangebyscore(broker.keys.audit, "-inf", before)
     for member in members:
