@@ -10,6 +10,7 @@ counters, an ops endpoint scraped every 0.5 s, and the fleet sampler reading Red
 
     .venv/bin/python bench/bench_ops.py --rounds 10 --threads 3
     .venv/bin/python bench/bench_ops.py --deadlines 1000   # deadline accuracy instead
+    .venv/bin/python bench/bench_ops.py --timings 1000     # thread timings, real audit workers
 """
 
 from __future__ import annotations
@@ -157,6 +158,114 @@ async def bench_deadlines(url: str, n: int, deadline: float) -> None:
         await b.aclose()
 
 
+async def _step_floor(asker: Broker) -> list[float]:
+    """What one due step and one cancel cost on this server, no waiting: 50 times."""
+    from broker import Timing
+    from workers.runtime.deadlines import EXPIRED
+
+    floor = []
+    for i in range(50):
+        p = await asker.ask(f"floor{i}", "ask_user_question", [QUESTION])
+        await asker.set_timing(f"floor{i}", Timing(deadline=0.001), prompt_id=p.prompt_id)
+        await asyncio.sleep(0.002)
+        t0 = time.perf_counter()
+        step = await asker.step_timing(f"floor{i}", p.prompt_id)
+        await asker.cancel(f"floor{i}", EXPIRED, prompt_id=p.prompt_id)
+        floor.append(time.perf_counter() - t0)
+        assert step.outcome == "expire"
+    await asker.redis.delete(asker.keys.due)
+    return sorted(floor)
+
+
+async def _timed_events(asker: Broker, created: dict[str, float], remind: float) -> Any:
+    """(reminder lateness per prompt, ms; the prompts cancelled, in order)."""
+    reminded: dict[str, list[float]] = {}
+    cancels: list[str] = []
+    for entry_id, fields in await asker.redis.xrange(f"{asker.keys.prefix}:events"):
+        prompt_id = fields.get("prompt", "")
+        if prompt_id not in created:
+            continue
+        if fields.get("event") == "prompt.reminder":
+            at = int(entry_id.split("-")[0])
+            reminded.setdefault(prompt_id, []).append(at - created[prompt_id] - remind * 1000)
+        elif fields.get("event") == "prompt.cancelled":
+            cancels.append(prompt_id)
+    return reminded, cancels
+
+
+def _audit_process(env: dict[str, str]) -> Any:
+    """`prompt-broker audit` as its own process (it runs a timekeeper)."""
+    import subprocess
+
+    cli = [sys.executable, "-m", "workers.runtime.cli", "audit"]
+    return subprocess.Popen(cli, env=env, stderr=subprocess.DEVNULL)
+
+
+async def bench_timings(url: str, n: int, remind: float, deadline: float) -> None:
+    """`n` prompts on threads whose timing reminds at `remind` s and expires at `deadline` s,
+    asked over about 2 s, with two real audit worker processes (each runs a timekeeper), one of
+    them killed with SIGKILL midway: how late each reminder and each expiry came (server time),
+    none twice, none lost. The floor: one due step taken and one cancel, in this run, by hand."""
+    import os
+    import signal
+
+    from broker import Timing
+    from workers.runtime.deadlines import EXPIRED
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROMPT_BROKER_")}
+    env |= {"PROMPT_BROKER_REDIS_URL": url, "PROMPT_BROKER_KEY_PREFIX": "opstm"}
+    asker = Broker(Redis.from_url(url, decode_responses=True), Settings(key_prefix="opstm"))
+    timing = Timing(remind=(remind,), deadline=deadline)
+    floor = await _step_floor(asker)
+    procs = [_audit_process(env) for _ in range(2)]
+    try:
+        await asyncio.sleep(2.0)  # both started (imports, connections)
+        prompts = []
+        for i in range(n):
+            await asker.post_item(
+                f"m{i}", {"author": "a", "content": [{"type": "text", "text": "hi"}]}
+            )
+            await asker.set_timing(f"m{i}", timing)
+            prompts.append(await asker.ask(f"m{i}", "ask_user_question", [QUESTION]))
+            if i == n // 2:
+                procs[0].send_signal(signal.SIGKILL)  # one timekeeper gone midway
+            if i % 50 == 0:
+                await asyncio.sleep(0.1)
+        for _ in range(int(deadline * 5) + 300):
+            if not await asker.open_prompts():
+                break
+            await asyncio.sleep(0.2)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            proc.wait(15)
+    created = {p.prompt_id: p.created_at.timestamp() * 1000 for p in prompts}
+    reminded, cancels = await _timed_events(asker, created, remind)
+    late = []
+    for p in prompts:
+        got = await asker.get_prompt(p.thread_id, p.prompt_id)
+        assert got.state == "cancelled" and got.reason == EXPIRED and got.resolved_at, got
+        late.append((got.resolved_at - got.created_at).total_seconds() - deadline)
+    late.sort()
+    rem = sorted(v[0] for v in reminded.values())
+    print(
+        f"timings: {n} prompts (remind {remind:g} s, deadline {deadline:g} s), 2 audit workers, "
+        f"one killed with SIGKILL midway:\n"
+        f"  expiry late p50 {late[n // 2] * 1000:.0f} ms, p99 {late[int(n * 0.99)] * 1000:.0f} ms, "
+        f"max {late[-1] * 1000:.0f} ms; cancellations {len(cancels)} for {n} prompts "
+        f"({len(set(cancels))} distinct)\n"
+        f"  reminder late p50 {rem[len(rem) // 2]:.0f} ms, p99 {rem[int(len(rem) * 0.99)]:.0f} ms; "
+        f"{len(rem)} of {n} prompts reminded, {sum(len(v) > 1 for v in reminded.values())} twice\n"
+        f"  floor (one step and one cancel, no waiting): p50 {floor[25] * 1000:.2f} ms; the "
+        f"timekeeper looks every 250 ms"
+    )
+    keys = [k async for k in asker.redis.scan_iter(match="opstm:*", count=1000)]
+    for i in range(0, len(keys), 500):
+        await asker.redis.delete(*keys[i : i + 500])
+    await asker.aclose()
+
+
 async def _cancel_events(b: Broker) -> Any:
     for _, fields in await b.redis.xrange("opsdl:events"):
         if fields.get("event") == "prompt.cancelled":
@@ -170,6 +279,9 @@ async def main(args: argparse.Namespace) -> None:
     with private_redis(exe, free_port()) as url:
         if args.deadlines:
             await bench_deadlines(url, args.deadlines, 2.0)
+            return
+        if args.timings:
+            await bench_timings(url, args.timings, 1.0, 3.0)
             return
         results: dict[bool, list[float]] = {False: [], True: []}
         await one_round(url, args.threads, False, 99)  # warm-up (imports, script cache): unscored
@@ -196,6 +308,13 @@ def _args(argv: Any = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--deadlines", type=int, default=0, metavar="N", help="measure N prompt deadlines instead"
+    )
+    parser.add_argument(
+        "--timings",
+        type=int,
+        default=0,
+        metavar="N",
+        help="measure N thread timings (a reminder and a deadline) with real audit workers",
     )
     return parser.parse_args(argv)
 

@@ -114,8 +114,9 @@ class Timekeeper:
         looked = 0
         while True:
             members = [_text(m) for m in await redis.zrangebyscore(due, "-inf", now, 0, PAGE)]
-            for member in members:
-                await self._step(member)
+            # A page at once: a wave of prompts due together (a thread batch, a restart's catch
+            # up) is not served one round trip after another.
+            await asyncio.gather(*(self._step(m) for m in members))
             looked += len(members)
             if len(members) < PAGE:
                 return looked
@@ -202,6 +203,9 @@ class Timekeeper:
             except (RedisError, OSError, BrokerError) as e:
                 logger.warning("timing.look_failed", extra={"error": repr(e)})
                 await asyncio.sleep(0.5)
+            except Exception as e:  # a bug must not stop every deadline of the fleet: say it
+                logger.error("timing.look_crashed", extra={"error": repr(e)}, exc_info=e)
+                await asyncio.sleep(1.0)
             await asyncio.sleep(self.interval)
 
 
