@@ -20,6 +20,7 @@ small validator of the schema subset the protocol uses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -75,7 +76,14 @@ from workers.agents.codex_transcript import (
     output_line,
     rewrite_line,
 )
-from workers.agents.harness import GateVerdict, Interruption, PromptParked, Turn, TurnResult
+from workers.agents.harness import (
+    AgentStore,
+    GateVerdict,
+    Interruption,
+    PromptParked,
+    Turn,
+    TurnResult,
+)
 from workers.demo.fakes.responses import FakeResponses
 from workers.runtime.fleet import Fleet
 from workers.runtime.replica import Replica
@@ -268,6 +276,11 @@ class Wire:
     def sent(self, method: str) -> list[dict[str, Any]]:
         return [m for m in self.messages("send") if m.get("method") == method]
 
+    def resumed(self) -> str:
+        """The Codex thread of the one `thread/resume` sent (there must be exactly one)."""
+        (resume,) = self.sent("thread/resume")
+        return str(resume["params"]["threadId"])
+
     def check(self, schema: Schema) -> None:
         """Every server request got exactly one reply, inside the schema; every request of
         ours is inside the schema too."""
@@ -355,6 +368,8 @@ class Solo:
         state: dict[str, Any] | None = None,
         gate: GateVerdict | None = None,
         config: dict[str, Any] | None = None,
+        interrupted: Interruption | None = None,
+        store: AgentStore | None = None,
     ) -> TurnResult:
         async def gate_fn(harness: str, method: str, params: dict[str, Any]) -> GateVerdict:
             self.gate_calls.append((harness, method, params))
@@ -371,7 +386,8 @@ class Solo:
             emit=self.emit,
             work_folder=str(self.work),
             gate=gate_fn if gate is not None else None,
-            store=self.store,
+            store=store if store is not None else self.store,
+            interrupted=interrupted,
         )
         result = await asyncio.wait_for(self.harness.run_turn(turn), 60)
         self.wire.check(self.schema)
@@ -380,6 +396,19 @@ class Solo:
 
 def codex_config(fake: FakeResponses) -> dict[str, Any]:
     return {"base_url": fake.base_url, "api_key": "dummy-key", "model": "gpt-5.5"}
+
+
+async def codex_thread(
+    person: Broker, fake: FakeResponses, work: Path, message: str, permissions: str = "approval"
+) -> Path:
+    """A Codex thread named after its work folder `work` (made here), against `fake`, its
+    first message posted."""
+    await asyncio.to_thread(work.mkdir)
+    await person.sessions.create(
+        work.name, "codex", permissions, codex_config(fake), work_folder=str(work)
+    )
+    await person.post_item(work.name, text(message))
+    return work
 
 
 @pytest.fixture
@@ -461,13 +490,7 @@ class Rig:
         person: Broker,
         permissions: str = "approval",
     ) -> Path:
-        work = self.root / thread_id
-        work.mkdir()
-        await person.sessions.create(
-            thread_id, "codex", permissions, codex_config(self.fake), work_folder=str(work)
-        )
-        await person.post_item(thread_id, text(message))
-        return work
+        return await codex_thread(person, self.fake, self.root / thread_id, message, permissions)
 
     async def aclose(self) -> None:
         for r in self.running:
@@ -509,6 +532,11 @@ async def person(rig: Rig) -> Broker:
 async def until(check: Callable[[], Awaitable[T | None]], what: str, within: float = 30.0) -> T:
     """`tests.helpers.until` with the longer default a real CLI needs."""
     return await helpers.until(check, what, within)
+
+
+async def held(r: Running) -> None:
+    """Until replica `r` holds its thread's wait open (its Codex waits on the answer)."""
+    await until(lambda: truthy(r.replica.held_count() == 1), "the held wait")
 
 
 def structured(*answers: list[str]) -> dict[str, Any]:
@@ -975,8 +1003,7 @@ async def test_parked_state_resumes_the_same_codex_thread(solo: Solo) -> None:
     assert next(iter(told.outputs().values()), "").startswith("Approval pending")
     assert_no_foreign_refusal(told)
     assert target.read_text() == "parked\n"
-    (resumed,) = solo.wire.sent("thread/resume")
-    assert resumed["params"]["threadId"] == state["codex_thread"]
+    assert solo.wire.resumed() == state["codex_thread"]
     assert result.state is not None and result.state["codex_thread"] == state["codex_thread"]
     assert handle.asks[0][1][0].grant_key == f"{COMMAND}:{bash(cmd)}"
 
@@ -1006,7 +1033,7 @@ async def test_command_approved_runs(rig: Rig, person: Broker) -> None:
     # session option
     assert [o.label for o in q.options] == ["Approve", "Deny"]
     assert not (work / "approved.txt").exists()
-    await until(lambda: truthy(r.replica.held_count() == 1), "the held wait")
+    await held(r)
 
     await person.post_item("t1", text("yes"))
     items = await turn_ends(person, "t1")
@@ -1041,7 +1068,7 @@ async def test_command_cancelled_when_the_run_ends(rig: Rig, person: Broker) -> 
     work = rig.root / "t1"
     await rig.thread("t1", f"run!: echo no > {work}/cancelled.txt", person)
     p = await active(person, "t1")
-    await until(lambda: truthy(r.replica.held_count() == 1), "the held wait")
+    await held(r)
     await person.cancel("t1", "run ended")
     await turn_ends(person, "t1")
     assert (await person.get_prompt("t1", p.prompt_id)).state == "cancelled"
@@ -1172,6 +1199,20 @@ async def test_guarded_policy_on_a_replica(rig: Rig, person: Broker) -> None:
     assert len(of_type(items, "pending_prompt")) == 1
 
 
+async def waiting_on_approval(
+    rig: Rig, person: Broker, replica_id: str, **overrides: Any
+) -> tuple[Running, Path, Prompt]:
+    """Replica `replica_id` runs t1, whose Codex waits (held) on the approval of a command that
+    writes `resumed.txt`: the replica, t1's work folder and the prompt."""
+    a = await rig.start(replica_id, **overrides)
+    work = rig.root / "t1"
+    cmd = f"echo resumed > {work}/resumed.txt"
+    await rig.thread("t1", f"run!: {cmd}", person)
+    p = await active(person, "t1")
+    await held(a)
+    return a, work, p
+
+
 async def _resumed_elsewhere(person: Broker, a: Running, b: Running, work: Path, p: Prompt) -> None:
     """The answer lands after `a` is gone: `b` resumes the same Codex thread, the agent retries,
     the one-shot grant answers the retried approval, and the command runs."""
@@ -1181,8 +1222,7 @@ async def _resumed_elsewhere(person: Broker, a: Running, b: Running, work: Path,
     await person.post_item("t1", text("yes"))
     items = await turn_ends(person, "t1")
     assert (work / "resumed.txt").read_text() == "resumed\n"
-    (resumed,) = b.wire.sent("thread/resume")
-    assert resumed["params"]["threadId"] == codex_thread
+    assert b.wire.resumed() == codex_thread
     assert b.wire.replies(COMMAND) == [{"decision": "accept"}]  # the retry, through the grant
     assert len(of_type(items, "pending_prompt")) == 1  # nobody was asked twice
     (granted,) = of_type(items, "approval_granted")
@@ -1198,12 +1238,7 @@ async def _resumed_elsewhere(person: Broker, a: Running, b: Running, work: Path,
 async def test_replica_killed_while_codex_waits(rig: Rig, person: Broker) -> None:
     """Replica A dies (as SIGKILL: nothing released) while Codex waits on an approval; B adopts
     the open prompt; the answer, given afterwards, resumes the same Codex thread on B."""
-    a = await rig.start("ra")
-    work = rig.root / "t1"
-    cmd = f"echo resumed > {work}/resumed.txt"
-    await rig.thread("t1", f"run!: {cmd}", person)
-    p = await active(person, "t1")
-    await until(lambda: truthy(a.replica.held_count() == 1), "the held wait")
+    a, work, p = await waiting_on_approval(rig, person, "ra")
     (pid,) = a.wire.pids()
     await rig.crash(a)
     assert not _alive(pid), "the waiting Codex process outlived its replica"
@@ -1225,12 +1260,7 @@ async def test_replica_killed_while_codex_waits(rig: Rig, person: Broker) -> Non
 async def test_replica_stopped_while_codex_waits(rig: Rig, person: Broker) -> None:
     """A clean stop parks the held wait (`cancel` to Codex, nobody refused) and releases the
     thread; B adopts it at once and the later answer resumes the same Codex thread there."""
-    a = await rig.start("ra", lease_ttl=5.0)
-    work = rig.root / "t1"
-    cmd = f"echo resumed > {work}/resumed.txt"
-    await rig.thread("t1", f"run!: {cmd}", person)
-    p = await active(person, "t1")
-    await until(lambda: truthy(a.replica.held_count() == 1), "the held wait")
+    a, work, p = await waiting_on_approval(rig, person, "ra", lease_ttl=5.0)
     await rig.stop(a)
     assert a.wire.replies(COMMAND) == [{"decision": "cancel"}]
     s = await session(person, "t1")
@@ -1256,8 +1286,7 @@ async def test_parked_question_resumes_the_codex_thread(rig: Rig, person: Broker
     assert len(r.wire.sent("turn/interrupt")) == 1
     await person.post_item("t1", text("red"))
     items = await turn_ends(person, "t1")
-    (resumed,) = r.wire.sent("thread/resume")
-    assert resumed["params"]["threadId"] == codex_thread
+    assert r.wire.resumed() == codex_thread
     assert outputs(items) == ["noted: The person answered:\n- Which color?: Red"]
     assert (await person.get_prompt("t1", p.prompt_id)).state == "answered"
 
@@ -1271,8 +1300,7 @@ async def test_a_later_message_continues_the_same_codex_thread(rig: Rig, person:
     await person.post_item("t1", text("say: second"))
     items = await turn_ends(person, "t1", 2)
     assert outputs(items) == ["first", "second"]
-    (resumed,) = r.wire.sent("thread/resume")
-    assert resumed["params"]["threadId"] == codex_thread
+    assert r.wire.resumed() == codex_thread
     # the model saw the first exchange again: the history came back from Redis
     assert rig.fake.requests[-1].history == ["say: first", "say: second"]
 
@@ -1285,24 +1313,12 @@ async def test_replica_process_sigkilled_while_codex_waits(
     closes); the other replica adopts the prompt, and the answer given afterwards resumes the
     same Codex thread there (the model sees the first request again), the retry answered by
     the grant. The dead replica's CODEX_HOME is swept by the survivor."""
-    server = redis_server_factory()
-    settings = Settings(redis_url=server.url, key_prefix="pp", **(FAST | {"lease_ttl": 2.0}))
-    logs = tmp_path / "logs"
-    fleet = Fleet(settings, workers=2, restart=False, log_dir=logs)
-    person = Broker(Redis.from_url(server.url, decode_responses=True), settings)
     work = tmp_path / "t1"
-    work.mkdir()
     cmd = f"echo resumed > {work}/resumed.txt"
-    try:
-        await fleet.start()
-        await fleet.ready()
-        await person.sessions.create(
-            "t1", "codex", "approval", codex_config(fake), work_folder=str(work)
-        )
-        await person.post_item("t1", text(f"run!: {cmd}"))
+    async with two_replicas(redis_server_factory(), "pp", tmp_path / "logs") as (fleet, person):
+        await codex_thread(person, fake, work, f"run!: {cmd}")
         p = await active(person, "t1")
-        owner = (await session(person, "t1")).owner
-        replica_pid = fleet.replica(owner).proc.pid  # type: ignore[union-attr]
+        owner, replica_pid = await holder(fleet, person)
         (codex_pid,) = await until(lambda: _children_named(replica_pid, "codex"), "codex")
         (home,) = await asyncio.to_thread(_homes_of, replica_pid)
         fleet.kill(owner)
@@ -1323,21 +1339,51 @@ async def test_replica_process_sigkilled_while_codex_waits(
         assert last.history[0] == f"run!: {cmd}" and "APPROVED" in last.history[-1]
         assert (await session(person, "t1")).owner == s.owner
         assert not home.exists(), "the dead replica's CODEX_HOME was left behind"
+
+
+@contextlib.asynccontextmanager
+async def two_replicas(
+    server: RedisServer, key_prefix: str, logs: Path
+) -> AsyncIterator[tuple[Fleet, Broker]]:
+    """Two real replica processes (`prompt-broker worker`, the default harnesses, lease TTL
+    2 s) on `server`, and a person's broker; their logs are printed when the test fails."""
+    settings = Settings(redis_url=server.url, key_prefix=key_prefix, **(FAST | {"lease_ttl": 2.0}))
+    fleet = Fleet(settings, workers=2, restart=False, log_dir=logs)
+    person = Broker(Redis.from_url(server.url, decode_responses=True), settings)
+    try:
+        await fleet.start()
+        await fleet.ready()
+        yield fleet, person
     except BaseException:
-        for log in sorted(logs.glob("*.log")):
-            print(f"===== {log.name}\n{log.read_text(errors='replace')[-4000:]}")
+        _print_logs(logs)
         raise
     finally:
         await fleet.stop()
         await person.aclose()
 
 
+def _print_logs(logs: Path) -> None:
+    for log in sorted(logs.glob("*.log")):
+        print(f"===== {log.name}\n{log.read_text(errors='replace')[-4000:]}")
+
+
+async def holder(fleet: Fleet, person: Broker, thread_id: str = "t1") -> tuple[str, int]:
+    """The replica holding `thread_id`, and its process id."""
+    owner = (await session(person, thread_id)).owner
+    return owner, fleet.replica(owner).proc.pid  # type: ignore[union-attr]
+
+
 # -- a turn cut off by SIGKILL: the truth about the call in flight ------------------------------
 
 
 @pytest.mark.parametrize("moment", ["during", "after"])
-async def test_sigkilled_turn_leaves_the_truth_about_its_call(
-    moment: str, real_redis_url: str, prefix: str, fake: FakeResponses, tmp_path: Path
+async def test_sigkilled_turn_leaves_the_truth_about_its_call(  # noqa: PLR0917 - fixtures
+    moment: str,
+    real_redis_url: str,
+    prefix: str,
+    fake: FakeResponses,
+    tmp_path: Path,
+    schema: Schema,
 ) -> None:
     """A stand-in replica process (tests/agents/codex_crash_child.py: one Codex turn, its store and
     question state in Redis) is SIGKILLed while an approved `echo RAN >> marker; sleep N` runs
@@ -1369,27 +1415,17 @@ async def test_sigkilled_turn_leaves_the_truth_about_its_call(
 
         fake.delay = None
         before = len(fake.requests)
-        emitted: list[str] = []
-
-        async def emit(text_: str) -> None:
-            emitted.append(text_)
-
-        turn = Turn(
-            thread_id="crash",
-            prompt="say: carrying on",
-            permissions="approval",
-            config=codex_config(fake),
+        solo = Solo(fake, work, schema)
+        result = await solo.turn(
+            "say: carrying on",
+            Handle(),  # asks nobody: nothing is run again
             state=state,
-            handle=Handle(),  # asks nobody: nothing is run again
-            emit=emit,
-            work_folder=str(work),
             store=store,
             interrupted=Interruption(note=note),
         )
-        result = await asyncio.wait_for(CodexHarness().run_turn(turn), 60)
         assert result.status == "completed", result.error
         check_told(fake.requests[before], note, moment)  # what the model receives next
-        assert emitted == ["carrying on"]
+        assert solo.emitted == ["carrying on"]
         await asyncio.sleep(0.5)  # a negative window: the command is not run a second time
         assert marker.read_text() == "RAN\n"  # ran once, never again
     finally:
@@ -1484,27 +1520,15 @@ async def test_replica_sigkilled_during_an_approved_command(
     posts one item saying what is known of the call; the person's next message starts a turn
     whose first model request tells the same, with the call's real output (`after`) or our
     words for it (`during`), never "aborted". The command ran once."""
-    server = redis_server_factory()
-    settings = Settings(redis_url=server.url, key_prefix="pk", **(FAST | {"lease_ttl": 2.0}))
-    logs = tmp_path / "logs"
-    fleet = Fleet(settings, workers=2, restart=False, log_dir=logs)
-    person = Broker(Redis.from_url(server.url, decode_responses=True), settings)
     work = tmp_path / "t1"
-    work.mkdir()
     marker = work / "marker"
     cmd = f"echo RAN >> {marker}; sleep 8"
     if moment == "after":  # the model's reply to the command's output is held back
         fake.delay = lambda req: 30.0 if req.step == 1 and req.user_text.startswith("run!") else 0
-    try:
-        await fleet.start()
-        await fleet.ready()
-        await person.sessions.create(
-            "t1", "codex", "approval", codex_config(fake), work_folder=str(work)
-        )
-        await person.post_item("t1", text(f"run!: {cmd}"))
+    async with two_replicas(redis_server_factory(), "pk", tmp_path / "logs") as (fleet, person):
+        await codex_thread(person, fake, work, f"run!: {cmd}")
         await active(person, "t1")
-        owner = (await session(person, "t1")).owner
-        replica_pid = fleet.replica(owner).proc.pid  # type: ignore[union-attr]
+        owner, replica_pid = await holder(fleet, person)
         await person.post_item("t1", text("yes"))
         if moment == "during":
             await until(lambda: truthy(marker.exists()), "the approved command to start")
@@ -1532,13 +1556,6 @@ async def test_replica_sigkilled_during_an_approved_command(
         assert told.user_text.endswith("say: carrying on")
         await asyncio.sleep(1.0 if moment == "after" else 8.0)  # a rerun would show by now
         assert marker.read_text() == "RAN\n"
-    except BaseException:
-        for log in sorted(logs.glob("*.log")):
-            print(f"===== {log.name}\n{log.read_text(errors='replace')[-4000:]}")
-        raise
-    finally:
-        await fleet.stop()
-        await person.aclose()
 
 
 # -- small helpers --------------------------------------------------------------------------------
