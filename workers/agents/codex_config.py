@@ -1,6 +1,7 @@
 """The Codex CLI and what each turn runs it with: finding the binary (`find_codex`), a thread's
-harness config checked (`parse_config`) and written out as the turn's `config.toml`, and the
-per-turn `CODEX_HOME` folders a dead replica leaves behind (`sweep_homes`).
+harness config checked (`parse_config`) and written out as the turn's `config.toml`, the
+approval policy and sandbox a turn runs under for the thread's permissions, and the per-turn
+`CODEX_HOME` folders a dead replica leaves behind (`sweep_homes`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ __all__ = [
     "PINNED_VERSION",
     "SANDBOX_POLICY",
     "CodexConfig",
+    "approval_policy",
     "config_toml",
     "find_codex",
     "parse_config",
+    "sandbox_mode",
     "sweep_homes",
     "validate_config",
 ]
@@ -123,6 +126,23 @@ def parse_config(config: object) -> CodexConfig:
         approval_policy=policy,
         sandbox=sandbox,
     )
+
+
+def approval_policy(cfg: CodexConfig, permissions: str) -> str:
+    """Codex's approval policy for a turn under the thread's `permissions`."""
+    if permissions == "autonomous":
+        return "never"
+    if permissions == "guarded":
+        # `untrusted` asks for every command and every file change, whatever the sandbox:
+        # the only policy under which the worker's deny rules see every call. Under
+        # `on-request` Codex runs what its sandbox allows without asking anyone.
+        return "untrusted"
+    return cfg.approval_policy
+
+
+def sandbox_mode(cfg: CodexConfig, permissions: str) -> str:
+    """Codex's sandbox for a turn under the thread's `permissions`."""
+    return "danger-full-access" if permissions == "autonomous" else cfg.sandbox
 
 
 def validate_config(config: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from broker import Kind, PromptCancelled, PromptUnavailable, Question
-from workers.agents.codex_config import SANDBOX_POLICY, CodexConfig
+from workers.agents.codex_config import SANDBOX_POLICY, CodexConfig, approval_policy, sandbox_mode
 from workers.agents.codex_prompts import (
     APPROVAL_METHODS,
     COMMAND,
@@ -91,18 +91,11 @@ class Run:
 
     @property
     def policy(self) -> str:
-        if self.turn.permissions == "autonomous":
-            return "never"
-        if self.turn.permissions == "guarded":
-            # `untrusted` asks for every command and every file change, whatever the sandbox:
-            # the only policy under which the worker's deny rules see every call. Under
-            # `on-request` Codex runs what its sandbox allows without asking anyone.
-            return "untrusted"
-        return self.cfg.approval_policy
+        return approval_policy(self.cfg, self.turn.permissions)
 
     @property
     def sandbox(self) -> str:
-        return "danger-full-access" if self.turn.permissions == "autonomous" else self.cfg.sandbox
+        return sandbox_mode(self.cfg, self.turn.permissions)
 
     @property
     def cwd(self) -> str:
