@@ -72,6 +72,12 @@ install` at the root; its native binary is run directly, with no node shim), els
 PATH. Per-turn homes are temporary folders (`pb-codex-*`, removed after the turn); those of a
 replica that was killed are swept by the next harness on the host (`sweep_homes`). Session-wide
 approvals (`acceptForSession`, scope `session`) last as long as Codex's process: this turn.
+
+The parts, each a module of its own: `codex_config` (the binary, the config, the per-turn
+homes), `codex_prompts` (Codex's requests as questions, answers as its replies, our words),
+`codex_rpc` (the app-server process and its JSON-RPC), `codex_recorder` (the ledger's writes and
+the rollout's copy in the store), `codex_transcript` (what they say after a crash) and
+`codex_turn` (one turn, start to end). This module is the harness, and the public face.
 """
 
 from __future__ import annotations
@@ -118,6 +124,8 @@ from workers.agents.harness import AgentStore, Turn, TurnResult
 
 logger = logging.getLogger("workers.agents.codex")
 
+#: What other code imports from here: the harness, and (re-exported from `codex_config` and
+#: `codex_prompts`) the config, the methods and the question/reply mapping.
 __all__ = [
     "APPROVAL_METHODS",
     "COMMAND",

@@ -2,7 +2,8 @@
 resumed and a Codex turn run to its end; meanwhile Codex's approval and `requestUserInput`
 requests put to a person one at a time (or decided by the worker's gate), its agent messages
 posted, and the refusals nobody made told to the model in our words. What it records goes
-through `workers.agents.codex_recorder`; the words and replies are `workers.agents.codex_prompts`'.
+through `workers.agents.codex_recorder`; its words and replies come from
+`workers.agents.codex_prompts`.
 """
 
 from __future__ import annotations
