@@ -120,6 +120,7 @@ async def cmd_open(args: argparse.Namespace, settings: Settings) -> int:
     async with _connect(settings) as broker:
         prompts = await broker.open_prompts()
         now = await _server_now(broker)
+        running = [] if args.json else await _running_turns(broker)
     ages = [(now - p.created_at).total_seconds() for p in prompts]
     if args.json:
         _print_json(
@@ -136,7 +137,37 @@ async def cmd_open(args: argparse.Namespace, settings: Settings) -> int:
         _print(*_columns(rows))
     else:
         _print("nothing is waiting on a person")
+    if not args.json and running:
+        shown = ", ".join(f"{t} ({owner or 'no replica'})" for t, owner in running[:_RUNNING_SHOWN])
+        more = len(running) - _RUNNING_SHOWN
+        _print(
+            f"turns running (no prompt yet): {shown}" + (f", and {more} more" if more > 0 else "")
+        )
     return 0
+
+
+#: Running turns `open` names; past that it counts them.
+_RUNNING_SHOWN = 10
+
+
+async def _running_turns(broker: Broker) -> list[tuple[str, str]]:
+    """(thread, holder) of every thread whose agent's turn runs now and waits on no prompt:
+    work in progress, not yet waiting on a person. Read from the lease indexes' threads."""
+    threads = sorted(await broker.sessions.holders())
+    found: list[tuple[str, str]] = []
+    for start in range(0, len(threads), 1000):
+        page = threads[start : start + 1000]
+        pipe = broker.redis.pipeline(transaction=False)
+        for t in page:
+            pipe.hmget(broker.thread(t).session, ["status", "wait", "owner"])
+        for t, (status, wait, owner) in zip(page, await pipe.execute(), strict=True):
+            if _text(status) == "running" and not wait:
+                found.append((t, _text(owner)))
+    return found
+
+
+def _text(value: str | bytes | None) -> str:
+    return value.decode() if isinstance(value, bytes) else value or ""
 
 
 def _show_args(parser: argparse.ArgumentParser) -> None:
@@ -151,6 +182,7 @@ async def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
         await _require_thread(broker, thread_id)
         items = await broker.items(thread_id)
         active = await broker.active_prompt(thread_id)
+        session = await broker.sessions.get(thread_id)
         # LLEN, never take_inbox: looking must not drain the next turn's input.
         # (redis-py types its sync and asyncio commands as one: the cast picks the async side.)
         inbox = await cast("Awaitable[int]", broker.redis.llen(broker.thread(thread_id).inbox))
@@ -160,6 +192,9 @@ async def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
                 "thread_id": thread_id,
                 "items": [item.model_dump(mode="json") for item in items],
                 "active_prompt": active.model_dump(mode="json") if active else None,
+                "session": None
+                if session is None
+                else {"status": session.status, "owner": session.owner or None},
                 "inbox": inbox,
             }
         )
@@ -172,12 +207,26 @@ async def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
         if active
         else "none"
     )
-    _print(
-        "",
-        f"active prompt: {active_line}",
-        f"inbox: {inbox} item{'' if inbox == 1 else 's'} waiting for the next turn",
-    )
+    if active is not None and active.escalated_to:
+        active_line += f", escalated to {active.escalated_to}"
+    _print("", f"active prompt: {active_line}")
+    if session is not None:
+        _print(f"agent: {_session_line(session)}")
+    _print(f"inbox: {inbox} item{'' if inbox == 1 else 's'} waiting for the next turn")
     return 0
+
+
+def _session_line(session: Any) -> str:
+    """What the thread's agent is doing, in a line: a running turn shows as running."""
+    holder = f" on {session.owner}" if session.owner else ""
+    if session.status == "running" and session.waiting is not None:
+        return f"{session.harness}, its turn{holder} waits on {session.waiting.prompt_id}"
+    if session.status == "running":
+        return f"{session.harness}, a turn is running{holder}"
+    if session.status == "parked":
+        waiting = session.waiting.prompt_id if session.waiting else "a prompt"
+        return f"{session.harness}, parked: resumes when {waiting} is answered"
+    return f"{session.harness}, {session.status}"
 
 
 def _answer_args(parser: argparse.ArgumentParser) -> None:

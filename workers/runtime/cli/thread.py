@@ -1,7 +1,9 @@
-"""`thread new|close|status`: an agent session's thread, created, ended or inspected.
+"""`thread new|close|status|timing`: an agent session's thread, created, ended, inspected, or
+given a timing (when its prompts are reminded, escalated and expire: broker/timing.py).
 
-`new` checks the harness config (`--script`, `--config`) and the guarded policy (`--policy`)
-before anything is written; `close` and `status` refuse an unknown thread, or one with no session.
+`new` checks the harness config (`--script`, `--config`), the guarded policy (`--policy`) and the
+timing flags before anything is written; `close` and `status` refuse an unknown thread, or one
+with no session.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from broker import BadItem, Broker, Settings, ThreadNotFound
+from broker import BadItem, Broker, Settings, ThreadNotFound, Timing, parse_duration
 from broker.cli import CliError, Command, global_args
 from broker.sessions import Session
 from workers.agents.policy import validate as validate_policy
@@ -55,14 +57,77 @@ def _thread_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", metavar="JSON", help="the harness config, as JSON")
     new.add_argument("--work-folder", default="", metavar="DIR", help="the agent's work folder")
     new.add_argument("--message", metavar="TEXT", help="post this first message at once")
+    _timing_flags(new)
     close = sub.add_parser("close", help="end a thread: its open prompt is cancelled")
     close.add_argument("thread", metavar="THREAD")
     close.add_argument("--reason", default="thread_closed", help="default: %(default)s")
     status = sub.add_parser("status", help="who holds the thread and what it waits on")
     status.add_argument("thread", metavar="THREAD")
     status.add_argument("--json", action="store_true", help="print one JSON document instead")
-    for action in (new, close, status):
+    timing = sub.add_parser(
+        "timing", help="show or set when the thread's prompts are reminded, escalated, expire"
+    )
+    timing.add_argument("thread", metavar="THREAD")
+    timing.add_argument(
+        "--prompt", metavar="PROMPT_ID", help="one open prompt's own timing, not the thread's"
+    )
+    _timing_flags(timing)
+    timing.add_argument("--clear", action="store_true", help="remove the timing")
+    timing.add_argument("--json", action="store_true", help="print one JSON document instead")
+    for action in (new, close, status, timing):
         global_args(action)
+
+
+def _timing_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--remind", metavar="AGES", help="remind people at these ages, e.g. 15m,45m"
+    )
+    parser.add_argument(
+        "--escalate", metavar="AGE:GROUP", help="let GROUP answer too from AGE, e.g. 30m:oncall"
+    )
+    parser.add_argument(
+        "--deadline", metavar="AGE", help="cancel the prompt 'expired' at AGE, e.g. 1h"
+    )
+
+
+def _timing(args: argparse.Namespace) -> Timing | None:
+    """The timing the flags give, checked; None when none was given."""
+    if args.remind is None and args.escalate is None and args.deadline is None:
+        return None
+    fields: dict[str, Any] = {}
+    if args.remind is not None:
+        fields["remind"] = [parse_duration(a, "--remind") for a in args.remind.split(",")]
+    if args.escalate is not None:
+        age, sep, group = args.escalate.partition(":")
+        if not sep or not group:
+            raise BadItem(
+                "--escalate", f"expected AGE:GROUP, e.g. 30m:oncall, got {args.escalate!r}"
+            )
+        fields["escalate"] = parse_duration(age, "--escalate")
+        fields["escalate_to"] = group
+    if args.deadline is not None:
+        fields["deadline"] = parse_duration(args.deadline, "--deadline")
+    return Timing.parse(fields, "timing")
+
+
+def _span(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and (seconds / size) == round(seconds / size, 1):
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
+def _timing_text(timing: Timing | None) -> str:
+    if timing is None:
+        return "no timing: its prompts wait as long as it takes"
+    parts = []
+    if timing.remind:
+        parts.append("remind at " + ", ".join(_span(r) for r in sorted(timing.remind)))
+    if timing.escalate is not None:
+        parts.append(f"escalate to {timing.escalate_to} at {_span(timing.escalate)}")
+    if timing.deadline is not None:
+        parts.append(f"expire at {_span(timing.deadline)}")
+    return "; ".join(parts)
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
@@ -118,6 +183,7 @@ def _thread_id(args: argparse.Namespace) -> str:
 async def _thread_new(b: Broker, args: argparse.Namespace) -> None:
     config = _config(args)
     policy = _policy(args)
+    timing = _timing(args)
     harness = default_harnesses().get(args.harness)
     if harness is None:
         have = ", ".join(sorted(default_harnesses()))
@@ -132,6 +198,9 @@ async def _thread_new(b: Broker, args: argparse.Namespace) -> None:
     except BadItem as e:
         raise BadItem("THREAD" if e.field == "thread_id" else e.field, e.problem) from None
     print(f"thread {session.thread_id}: {session.harness} agent, {session.permissions}")
+    if timing is not None:
+        await b.set_timing(session.thread_id, timing)
+        print(f"timing: {_timing_text(timing)}")
     if args.message:
         await b.post_item(args.thread, {"content": [{"type": "text", "text": args.message}]})
         print("message posted: a replica will pick it up")
@@ -207,8 +276,41 @@ async def _thread_status(b: Broker, args: argparse.Namespace) -> None:
     print("\n".join(_status_lines(session, shown)))
 
 
+async def _thread_timing(b: Broker, args: argparse.Namespace) -> None:
+    """Show the timing that applies (the prompt's own, else the thread's), or set or clear it."""
+    from broker.keys import check_prompt_id
+
+    thread_id = _thread_id(args)
+    prompt_id = None if args.prompt is None else check_prompt_id(args.prompt, "--prompt")
+    timing = _timing(args)
+    if args.clear and timing is not None:
+        raise CliError("--clear: give either --clear or a timing, not both")
+    if not await b.thread_exists(thread_id):
+        raise ThreadNotFound(thread_id)
+    whose = f"prompt {prompt_id}" if prompt_id else f"thread {thread_id}"
+    if args.clear or timing is not None:
+        await b.set_timing(thread_id, timing, prompt_id=prompt_id)
+    shown = await b.get_timing(thread_id, prompt_id)
+    if args.json:
+        document = {"thread_id": thread_id, "prompt_id": prompt_id, "timing": shown}
+        print(orjson.dumps(document, option=orjson.OPT_INDENT_2, default=_dump).decode())
+        return
+    print(f"{whose}: {_timing_text(shown)}")
+
+
+def _dump(value: object) -> object:
+    if isinstance(value, Timing):
+        return value.model_dump(exclude_none=True)
+    raise TypeError(type(value).__name__)
+
+
 async def cmd_thread(args: argparse.Namespace, settings: Settings) -> int:
-    actions = {"new": _thread_new, "close": _thread_close, "status": _thread_status}
+    actions = {
+        "new": _thread_new,
+        "close": _thread_close,
+        "status": _thread_status,
+        "timing": _thread_timing,
+    }
     async with Broker.from_url(settings=settings, socket_connect_timeout=5) as b:
         await actions[args.action](b, args)
     return 0
