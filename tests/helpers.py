@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -85,6 +86,15 @@ async def began_waiting(broker: Any, thread_id: str, prompt_id: str) -> None:
         return prompt_id in waiter._waits and ch is not None and ch.confirmed.is_set()
 
     await until(began, f"the wait on {prompt_id} to begin")
+
+
+def fleet_env(redis_url: str, **settings: str) -> dict[str, str]:
+    """The environment a user's shell would give a fleet process: ours without any
+    PROMPT_BROKER_* of the test run, then the Redis URL and `settings` (`LEASE_TTL="2"` sets
+    PROMPT_BROKER_LEASE_TTL)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROMPT_BROKER_")}
+    chosen = {f"PROMPT_BROKER_{name}": value for name, value in settings.items()}
+    return clean | {"PROMPT_BROKER_REDIS_URL": redis_url} | chosen
 
 
 def cli(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 import redis
 
 from tests.conftest import RedisServer
-from tests.helpers import cli, eventually, process
+from tests.helpers import cli, eventually, fleet_env, process
 
 pytestmark = [pytest.mark.real_redis]
 
@@ -24,9 +23,7 @@ PICK = (
 
 @pytest.fixture
 def env(redis_server_factory: Callable[..., RedisServer]) -> dict[str, str]:
-    server = redis_server_factory()
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROMPT_BROKER_")}
-    return clean | {"PROMPT_BROKER_REDIS_URL": server.url, "PROMPT_BROKER_ADOPT_INTERVAL": "0.3"}
+    return fleet_env(redis_server_factory().url, ADOPT_INTERVAL="0.3")
 
 
 def test_set_show_and_clear_a_threads_timing(env: dict[str, str]) -> None:

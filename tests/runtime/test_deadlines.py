@@ -5,7 +5,6 @@ Real replica processes on a real redis-server; the limit is PROMPT_BROKER_OPS_TU
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,20 +12,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import RedisServer
-from tests.helpers import cli, eventually, process
+from tests.helpers import cli, eventually, fleet_env, process
 
 pytestmark = [pytest.mark.real_redis, pytest.mark.slow]
 
 
 @pytest.fixture
 def env(redis_server_factory: Callable[..., RedisServer]) -> dict[str, str]:
-    server = redis_server_factory()
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROMPT_BROKER_")}
-    return clean | {
-        "PROMPT_BROKER_REDIS_URL": server.url,
-        "PROMPT_BROKER_ADOPT_INTERVAL": "0.3",
-        "PROMPT_BROKER_OPS_TURN_TIMEOUT": "1.5",
-    }
+    return fleet_env(redis_server_factory().url, ADOPT_INTERVAL="0.3", OPS_TURN_TIMEOUT="1.5")
 
 
 PICK = (

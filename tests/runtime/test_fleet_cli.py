@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from tests.conftest import RedisServer, free_port
-from tests.helpers import cli
+from tests.helpers import cli, fleet_env
 
 pytestmark = pytest.mark.real_redis
 
@@ -27,8 +27,7 @@ pytestmark = pytest.mark.real_redis
 @pytest.fixture
 def env(redis_server_factory: object) -> dict[str, str]:
     server: RedisServer = redis_server_factory()  # type: ignore[operator]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROMPT_BROKER_")}
-    return clean | {"PROMPT_BROKER_REDIS_URL": server.url}
+    return fleet_env(server.url)
 
 
 def test_thread_new_and_status(env: dict[str, str], tmp_path: Path) -> None:

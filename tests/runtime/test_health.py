@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import urllib.request
 from collections.abc import Callable
@@ -12,20 +11,14 @@ import orjson
 import pytest
 
 from tests.conftest import RedisServer, free_port
-from tests.helpers import cli, eventually, process
+from tests.helpers import cli, eventually, fleet_env, process
 
 pytestmark = [pytest.mark.real_redis, pytest.mark.slow]
 
 
 @pytest.fixture
 def env(redis_server_factory: Callable[..., RedisServer]) -> dict[str, str]:
-    server = redis_server_factory()
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROMPT_BROKER_")}
-    return clean | {
-        "PROMPT_BROKER_REDIS_URL": server.url,
-        "PROMPT_BROKER_LEASE_TTL": "2",
-        "PROMPT_BROKER_ADOPT_INTERVAL": "0.3",
-    }
+    return fleet_env(redis_server_factory().url, LEASE_TTL="2", ADOPT_INTERVAL="0.3")
 
 
 def status(env: dict[str, str]) -> dict[str, Any]:

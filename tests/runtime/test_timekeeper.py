@@ -6,11 +6,12 @@ timekeepers where the point is a race."""
 from __future__ import annotations
 
 import asyncio
-import os
+import contextlib
 import signal
+import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,8 @@ import pytest
 import redis
 
 from broker import Broker, PromptCancelled, Timing
-from tests.conftest import RedisServer
-from tests.helpers import cli, eventually, process
+from tests.conftest import RedisServer, free_port
+from tests.helpers import cli, eventually, fleet_env, process
 from workers.runtime.timekeeper import Timekeeper
 
 pytestmark = [pytest.mark.real_redis]
@@ -33,13 +34,21 @@ PICK = (
 
 @pytest.fixture
 def env(redis_server_factory: Callable[..., RedisServer]) -> dict[str, str]:
-    server = redis_server_factory()
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PROMPT_BROKER_")}
-    return clean | {
-        "PROMPT_BROKER_REDIS_URL": server.url,
-        "PROMPT_BROKER_ADOPT_INTERVAL": "0.3",
-        "PROMPT_BROKER_OPS_TURN_TIMEOUT": "0",
-    }
+    return fleet_env(redis_server_factory().url, ADOPT_INTERVAL="0.3", OPS_TURN_TIMEOUT="0")
+
+
+@contextlib.contextmanager
+def audit_worker(env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    """`prompt-broker audit` (it runs a timekeeper), once its ops endpoint says it is ready: a
+    loaded machine may take seconds to start one, and the test's clock must not start before."""
+    port = str(free_port())
+    with process(["audit"], env | {"PROMPT_BROKER_OPS_PORT": port}) as proc:
+        eventually(
+            lambda: cli("health", "audit", "--port", port, env=env).returncode == 0,
+            "the audit worker ready",
+            30,
+        )
+        yield proc
 
 
 def _text(v: str | bytes) -> str:
@@ -67,7 +76,7 @@ def test_a_held_question_is_reminded_escalated_and_expires_once(
     r = redis.Redis.from_url(env["PROMPT_BROKER_REDIS_URL"], decode_responses=True)
     script = tmp_path / "script.json"
     script.write_text(PICK)
-    with process(["worker"], env), process(["audit"], env), process(["audit"], env):
+    with process(["worker"], env), audit_worker(env), audit_worker(env):
         made = cli("thread", "new", "t1", "--script", str(script), env=env)
         assert made.returncode == 0, made.stderr
         set_timing(env, "t1", Timing(remind=(2,), escalate=3, escalate_to="oncall", deadline=5))
@@ -115,11 +124,11 @@ def test_kill_9_of_a_timekeeper_loses_no_deadline_and_repeats_nothing(env: dict[
                 await asyncio.sleep(0.05)  # spread over 2 s: the kill lands among their steps
             return ids
 
-    with process(["audit"], env) as first, process(["audit"], env):
+    with audit_worker(env) as first, audit_worker(env):
         ids = asyncio.run(ask_all())
         first.send_signal(signal.SIGKILL)
         first.wait(5)
-        with process(["audit"], env):
+        with audit_worker(env):
             eventually(
                 lambda: all(r.hget(f"pp:{{k{i}}}:prompt:{p}", "state") == "cancelled"
                             for i, p in enumerate(ids)),
