@@ -29,26 +29,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import redis
 from redis.asyncio import Redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.private_redis import free_port, private_redis  # noqa: E402
 from broker import Broker, Item, Settings  # noqa: E402
 from workers.agents.codex import COMMAND, PINNED_VERSION, CodexHarness, find_codex  # noqa: E402
 from workers.demo.fakes.responses import FakeResponses  # noqa: E402
@@ -56,39 +54,6 @@ from workers.runtime.replica import Replica  # noqa: E402
 
 T = TypeVar("T")
 FAST: dict[str, Any] = {"lease_ttl": 2.0, "adopt_interval": 0.05, "sweep_interval": 1.0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def redis_server() -> Iterator[str]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server is not on PATH")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as d:
-        proc = subprocess.Popen(
-            [
-                *(exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", d, "--save", ""),
-                *("--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            for _ in range(200):
-                with contextlib.suppress(redis.ConnectionError):
-                    if redis.Redis(port=port, socket_timeout=0.5).ping():
-                        break
-                time.sleep(0.05)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            proc.wait(10)
 
 
 async def until(check: Callable[[], Awaitable[T | None]], within: float = 60.0) -> T:
@@ -269,7 +234,10 @@ def main() -> None:
         ).stdout.strip()
     print(f"codex: {codex} ({version}; pinned {PINNED_VERSION})")
     print(f"host: {os.cpu_count()} CPUs, python {sys.version.split()[0]}")
-    with redis_server() as url:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("redis-server is not on PATH")
+    with private_redis(exe, free_port()) as url:
         asyncio.run(bench(url, args.runs))
 
 
