@@ -115,6 +115,7 @@ async def test_turns_and_adoptions_counted(make_broker: Any, scrape: Any) -> Non
     metrics.count_logs()
     completed = await scrape("prompt_broker_turns_total", harness="scripted", outcome="completed")
     adopted = await scrape("prompt_broker_adoptions_total")
+    waits = await scrape("prompt_broker_adoption_wait_seconds_count")
     stop = asyncio.Event()
     task = asyncio.create_task(replica.run(stop))
     try:
@@ -126,6 +127,7 @@ async def test_turns_and_adoptions_counted(make_broker: Any, scrape: Any) -> Non
 
         await until(asked, "the scripted agent's question", 15)
         assert await scrape("prompt_broker_adoptions_total") == adopted + 1
+        assert await scrape("prompt_broker_adoption_wait_seconds_count") == waits + 1  # its wait
         [open_prompt] = await b.open_prompts()
         await b.post_item("t1", text("1"))
 

@@ -59,7 +59,13 @@ class Adoption(Sweeping):
             self.threads[thread_id] = _Thread(thread_id, epoch, listener=self._kicker(thread_id))
         attaching.append(asyncio.create_task(self._attach(claimed)))
         if claimed:
-            logger.info("replica.adopted", extra={"replica": self.id, "threads": len(claimed)})
+            # How long each waited with no live holder (server time): its holder's death, its
+            # release or its creation, to this claim. Counted by the metrics (an histogram).
+            waited = [max(0, seen.now - seen.expired.get(t, seen.now)) / 1000 for t in claimed]
+            logger.info(
+                "replica.adopted",
+                extra={"replica": self.id, "threads": len(claimed), "waited_s": waited},
+            )
         return len(claimed) >= limit
 
     async def _attach(self, claimed: Mapping[str, int]) -> None:

@@ -149,6 +149,13 @@ ADOPTIONS = Counter(
     "Threads this replica claimed (new threads, and those of dead or stopped replicas).",
     registry=REGISTRY,
 )
+ADOPTION_SECONDS = Histogram(
+    "prompt_broker_adoption_wait_seconds",
+    "How long each adopted thread waited with no live holder before a replica claimed it "
+    "(server time: from its holder's death, its release or its creation).",
+    buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
+    registry=REGISTRY,
+)
 ADOPTION_ROUNDS = Counter(
     "prompt_broker_adoption_rounds", "Adoption pages that claimed threads.", registry=REGISTRY
 )
@@ -210,6 +217,8 @@ class LogCounter(logging.Filter):
             counter.inc(n if isinstance(n, int) and n > 0 else 1)
             if counter is ADOPTIONS:
                 ADOPTION_ROUNDS.inc()
+                for waited in getattr(record, "waited_s", ()) or ():
+                    ADOPTION_SECONDS.observe(float(waited))
         if self.threshold:
             return record.levelno >= self.threshold
         parent = logging.getLogger(record.name).parent
