@@ -11,8 +11,9 @@ from typing import Any
 
 import orjson
 from pydantic import BaseModel
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker import events
@@ -90,8 +91,12 @@ class Routing(BrokerBase):
             idem,
             *self._retention,
         ]
+        replicas: int | None = None  # how many replicas confirmed it, when WAIT is on
         try:
-            reply = await self._scripts.call(self.redis, "route", keys, args)
+            if self.settings.wait_replicas:
+                reply, replicas = await self._route_and_wait(tk, keys, args)
+            else:
+                reply = await self._scripts.call(self.redis, "route", keys, args)
         except (RedisConnectionError, RedisTimeoutError, OSError) as e:
             reply = await self._route_outcome_unknown(tk, item_id, keys, args, e)
         repeated = reply[0] == "repeat"
@@ -125,7 +130,55 @@ class Routing(BrokerBase):
             "prompt.answered",
             extra={"thread_id": thread_id, "prompt_id": prompt_id, "source": source},
         )
+        wanted = self.settings.wait_replicas
+        if wanted and (replicas or 0) < wanted:
+            raise self._unconfirmed(thread_id, prompt_id, replicas)
         return _answered(item_id, prompt_id, answers, source, refusal)
+
+    async def _route_and_wait(
+        self, tk: ThreadKeys, keys: list[str], args: list[Any]
+    ) -> tuple[list[Any], int | None]:
+        """route.lua, then `WAIT wait_replicas timeout` on the same connection (WAIT counts the
+        replicas that have that connection's writes): the reply and how many confirmed it, or
+        None when that is not known (the slot moved: the script ran on another connection)."""
+        n, ms = self.settings.wait_replicas, max(1, round(self.settings.wait_timeout * 1000))
+        target: dict[str, Any] = {}
+        if isinstance(self.redis, RedisCluster):
+            await self.redis.initialize()  # the slot map (a no-op once read)
+            target["target_nodes"] = self.redis.get_node_from_key(tk.items)
+        script = self._scripts.by_name["route"]
+        while True:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            pipe.execute_command("WAIT", n, ms, **target)
+            routed, confirmed = await pipe.execute(raise_on_error=False)
+            if not isinstance(routed, NoScriptError):
+                break
+            await self.redis.script_load(script.source)  # then both again: it did not run
+        if isinstance(routed, BaseException):
+            raise routed
+        if isinstance(confirmed, BaseException) or (
+            target and self.redis.get_node_from_key(tk.items).name != target["target_nodes"].name  # type: ignore[attr-defined]
+        ):
+            return list(routed), None
+        return list(routed), int(confirmed)
+
+    def _unconfirmed(self, thread_id: str, prompt_id: str, replicas: int | None) -> Exception:
+        """The answer is committed on the primary (and its bell rung: the agent may have it),
+        but fewer replicas than `wait_replicas` confirmed it in `wait_timeout`: a failover now
+        could lose it. `BrokerUnavailable` with `took_effect=True`: a surface that retries with
+        the same idempotency key gets the first outcome, or answers again if it was lost."""
+        got = "an unknown number" if replicas is None else str(replicas)
+        why = _Unconfirmed(
+            f"{got} of the {self.settings.wait_replicas} replicas asked for confirmed the "
+            f"answer within {self.settings.wait_timeout:g} s; it is on the primary, and a "
+            "failover now could lose it"
+        )
+        logger.warning(
+            "prompt.answer_unconfirmed",
+            extra={"thread_id": thread_id, "prompt_id": prompt_id, "replicas": replicas},
+        )
+        return BrokerUnavailable(f"answering {thread_id}/{prompt_id}", why, True)
 
     async def _route_outcome_unknown(
         self, tk: ThreadKeys, item_id: str, keys: list[str], args: list[Any], error: Exception
@@ -159,6 +212,10 @@ class Routing(BrokerBase):
             if h.get("answer_item") == item_id:
                 return ["answered", item_id, prompt_id, h["answers"], h["source"], ""]
         return ["queued", item_id]
+
+
+class _Unconfirmed(RedisError):
+    """Fewer replicas than `wait_replicas` confirmed an answer's commit in time."""
 
 
 def _answered(item_id: str, prompt_id: str, answers: str, source: str, refusal: str) -> Routed:

@@ -33,6 +33,15 @@ class Settings(BaseModel):
     redis_cluster: bool = Field(
         False, description="redis_url names a node of a Redis Cluster (experimental)"
     )
+    wait_replicas: int = Field(
+        0,
+        ge=0,
+        description="replicas that must confirm an answer's commit (Redis WAIT) before the post "
+        "returns (0: off)",
+    )
+    wait_timeout: float = Field(
+        0.5, gt=0, description="seconds an answer's post waits for those replicas' confirmation"
+    )
     key_prefix: str = Field("pp", description="the first part of every key and channel")
     identity: str = Field(
         "prompt-broker",
