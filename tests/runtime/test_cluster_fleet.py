@@ -74,6 +74,15 @@ def _http(env: dict[str, str], method: str, path: str, body: Any = None) -> Any:
         return json.loads(reply.read())
 
 
+def _metrics(ops: dict[str, str]) -> str:
+    try:
+        url = f"http://127.0.0.1:{ops['PROMPT_BROKER_OPS_PORT']}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return str(reply.read().decode())
+    except OSError:
+        return ""
+
+
 def _prompts(env: dict[str, str]) -> list[dict[str, Any]] | None:
     try:
         return list(_http(env, "GET", "/v1/prompts")["prompts"])
@@ -113,15 +122,19 @@ def test_fleet_on_a_cluster_answers_by_http_and_cli_through_a_kill(
     script = tmp_path / "script.json"
     script.write_text(json.dumps(SCRIPT))
     _ok(cli("thread", "new", "t1", "--script", str(script), "--message", "go", env=env))
+    # The audit worker's ops endpoint samples the fleet's metrics from the cluster.
+    ops = {"PROMPT_BROKER_OPS_PORT": str(free_port()), "PROMPT_BROKER_OPS_SAMPLE": "0.3"}
     with (
         process(["worker", "--id", "r1"], env) as r1,
         process(["worker", "--id", "r2"], env) as r2,
-        process(["audit"], env),
+        process(["audit"], env | ops),
         process(["serve"], env),
     ):
         replicas = {"r1": r1, "r2": r2}
         [first] = eventually(lambda: _prompts(env), "the first question through GET /v1/prompts")
         assert first["thread_id"] == "t1" and first["questions"][0]["question"] == "Pick one"
+        open_metric = 'prompt_broker_open_prompts{kind="ask_user_question"} 1.0'
+        eventually(lambda: open_metric in _metrics(ops), "the open prompt in the audit's metrics")
         routed = _http(
             env, "POST", "/v1/threads/t1/items", {"content": [{"type": "text", "text": "A"}]}
         )
@@ -148,3 +161,4 @@ def test_fleet_on_a_cluster_answers_by_http_and_cli_through_a_kill(
         assert "nothing is waiting on a person" in _ok(cli("open", env=env))
         status = _ok(cli("status", env=env))
         assert "open prompts: 0" in status
+        eventually(lambda: open_metric.replace("1.0", "0.0") in _metrics(ops), "no open prompt")
