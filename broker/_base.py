@@ -15,8 +15,14 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar
 
 from redis.asyncio import Redis
+from redis.exceptions import (
+    ClusterDownError,
+    ClusterError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    SlotNotCoveredError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from ulid import ULID
 
@@ -30,8 +36,10 @@ __all__ = ["BrokerBase"]
 
 #: What "Redis could not be reached" looks like from redis-py (and the OS under it).
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
-#: Redis answered, but will not write: over `maxmemory`, or a replica that became read-only.
-_REFUSING = (OutOfMemoryError, ReadOnlyError)
+#: Redis answered, but will not write: over `maxmemory`, or a replica that became read-only; or
+#: a Redis Cluster that would not run it anywhere (a slot moving or uncovered: redis-py followed
+#: MOVED/ASK/TRYAGAIN or CLUSTERDOWN until it gave up).
+_REFUSING = (OutOfMemoryError, ReadOnlyError, ClusterError, ClusterDownError, SlotNotCoveredError)
 
 
 _P = ParamSpec("_P")

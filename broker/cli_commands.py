@@ -19,6 +19,7 @@ from typing import Any, cast
 import orjson
 from redis import exceptions as redis_errors
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from broker import (
     BadItem,
@@ -70,9 +71,15 @@ async def _connect(settings: Settings) -> AsyncIterator[Broker]:
     `tail` blocks on XREAD).
     """
     try:
-        client = Redis.from_url(
-            settings.redis_url, decode_responses=True, socket_connect_timeout=CONNECT_TIMEOUT
-        )
+        if settings.redis_cluster:  # one node of a Redis Cluster: its cluster client
+            nodes = RedisCluster.from_url(
+                settings.redis_url, decode_responses=True, socket_connect_timeout=CONNECT_TIMEOUT
+            )
+            client = cast(Redis, nodes)  # as in Broker.from_url: it answers every command
+        else:
+            client = Redis.from_url(
+                settings.redis_url, decode_responses=True, socket_connect_timeout=CONNECT_TIMEOUT
+            )
     except ValueError as e:
         raise CliError(
             f"--redis-url / PROMPT_BROKER_REDIS_URL {_safe_url(settings.redis_url)}: {e}"

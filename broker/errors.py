@@ -133,7 +133,9 @@ class Fenced(BrokerError):
 class BrokerUnavailable(BrokerError, ConnectionError):
     """Redis could not be reached, or refused to store anything (over `maxmemory`, a read-only
     replica). `took_effect` is False when the call certainly did nothing, None when that is
-    unknown (the message says so). `refused` is True when Redis answered but would not write."""
+    unknown (the message says so), True when it was stored but not confirmed as asked (an
+    answer fewer than `wait_replicas` replicas confirmed). `refused` is True when Redis
+    answered but would not write."""
 
     def __init__(
         self, what: str, cause: BaseException, took_effect: bool | None, *, refused: bool = False
@@ -141,8 +143,14 @@ class BrokerUnavailable(BrokerError, ConnectionError):
         self.cause = cause
         self.took_effect = took_effect
         self.refused = refused
-        outcome = {False: "it did not take effect", None: "it may or may not have taken effect"}
+        outcome = {
+            True: "it took effect",
+            False: "it did not take effect",
+            None: "it may or may not have taken effect",
+        }
         problem = "Redis refused to store it" if refused else "Redis could not be reached"
+        if took_effect:  # stored, but not as safely as asked (PROMPT_BROKER_WAIT_REPLICAS)
+            problem = "Redis did not confirm it"
         super().__init__(f"{what}: {problem} ({cause}); {outcome[took_effect]}")
 
 

@@ -5,6 +5,9 @@ open prompt, whether a thread exists, and the waiter's reads of resolved prompts
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+from typing import cast
+
 import orjson
 
 from broker import _codec
@@ -16,6 +19,10 @@ from broker.keys import check_prompt_id
 from broker.models import Item, Prompt
 
 __all__ = ["Reads"]
+
+
+# take_inbox: the whole list, emptied, in one step.
+_TAKE_ALL = "local r = redis.call('LRANGE', KEYS[1], 0, -1); redis.call('DEL', KEYS[1]); return r"
 
 
 class Reads(BrokerBase):
@@ -85,10 +92,8 @@ class Reads(BrokerBase):
         """Drain the thread's inbox atomically, in order: the next turn's input."""
         self._check_open()
         key = self.thread(thread_id).inbox
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.lrange(key, 0, -1)
-        pipe.delete(key)
-        raw, _ = await pipe.execute()
+        # One script, not MULTI/EXEC: redis-py's cluster client has no transactions.
+        raw: list[str] = await cast(Awaitable[list[str]], self.redis.eval(_TAKE_ALL, 1, key))
         return [_codec.item_from_inbox(r) for r in raw]
 
     @_reaching("listing open prompts", False)

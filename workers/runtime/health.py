@@ -21,10 +21,11 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from broker import BadItem, Broker, Settings
@@ -169,8 +170,14 @@ async def serve_audit_ops(settings: Settings, port: int | None = None) -> AsyncI
         async with Broker.from_url(settings=settings) as broker, expiring(broker, deadline):
             yield 0
         return
-    redis = Redis.from_url(settings.redis_url, decode_responses=True, socket_connect_timeout=5)
-    keys = Keys(settings.key_prefix)
+    if settings.redis_cluster:  # a node of a Redis Cluster: its cluster client, as Broker.from_url
+        nodes = RedisCluster.from_url(
+            settings.redis_url, decode_responses=True, socket_connect_timeout=5
+        )
+        redis = cast(Redis, nodes)
+    else:
+        redis = Redis.from_url(settings.redis_url, decode_responses=True, socket_connect_timeout=5)
+    keys = Keys(settings.key_prefix, cluster=settings.redis_cluster)
     interval = _env_number(SAMPLE_ENV, 15.0)
     sampler = metrics.FleetSampler(redis, keys, int(settings.lease_ttl * 1000), interval)
 

@@ -24,7 +24,12 @@ def replica_broker(settings: Settings) -> Broker:
 
     The pub/sub connection has a pool of its own: taken from the command pool, it would leave
     `redis_connections - 1` for commands (and with 1, none: every command would wait forever).
+    On a Redis Cluster (`redis_cluster`): redis-py's cluster client, a pool per node (not bounded:
+    past a bound it raises instead of waiting), the bells on sharded pub/sub connections of
+    their own (one per primary, broker/_sharded.py).
     """
+    if settings.redis_cluster:
+        return Broker.from_url(settings=settings, socket_connect_timeout=5, socket_keepalive=True)
 
     def pool(size: int) -> BlockingConnectionPool:
         return BlockingConnectionPool.from_url(
