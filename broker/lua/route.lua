@@ -18,6 +18,10 @@
 -- ARGV[16] the caller's idempotency key, hashed (hex), or '': a post that took effect under it
 --          is not made again; its first reply is returned (as {'repeat', reply JSON}), for a day
 -- ARGV[17] the stream's count limit   ARGV[18] its age limit in seconds (0: none; _retain.lua)
+-- On one server (not a cluster, where the event stream lives in another slot and the caller
+-- writes the event after the reply): KEYS[5] the prompt event stream (broker/events.py), where
+-- an answer writes its `prompt.answered` event in this same step; ARGV[19] the thread id
+-- ARGV[20] the event stream's cap (MAXLEN ~)
 --
 -- Returns one of
 --   {'posted', item id}                      a 'self' item, on the thread only
@@ -202,4 +206,9 @@ if raw then redis.call('HSET', prompt, 'text', raw) end
 redis.call('DEL', KEYS[2])
 redis.call('PUBLISH', ARGV[11], '{"prompt_id":' .. cjson.encode(active)
   .. ',"state":"answered","answers":' .. encoded .. '}')
+if KEYS[5] then
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[20], '*', 'event', 'prompt.answered',
+    'thread', ARGV[19], 'prompt', active,
+    'data', '{"source":' .. cjson.encode(source) .. ',"answered_by":' .. cjson.encode(ARGV[2]) .. '}')
+end
 return done({'answered', ARGV[1], active, encoded, source, refusal})
