@@ -1,7 +1,9 @@
 """The prompt event log: a capped Redis stream saying when prompts open, are answered or cancelled.
 
 Surfaces that show prompts live (the HTTP API's Server-Sent Events, webhooks) read it; the
-broker writes it in the same pipeline as the thread's script, whichever surface acted. It only
+broker writes it in the same pipeline as the thread's script, whichever surface acted (an
+answer's `prompt.answered`, on one server, inside route.lua's own step when post_item passes it
+the stream: on a cluster the stream lives in another slot, and the event follows). It only
 says *when to look*: the per-thread records stay the truth, and a reader that fell behind the
 cap (its last event was trimmed away) is told so and refetches the snapshot.
 
