@@ -71,7 +71,10 @@ class Routing(BrokerBase):
         _check_surface(surface)
         idem = _idempotency(idempotency_key)
         item_id = _new_id("itm")
-        keys = [tk.items, tk.active, tk.inbox, tk.session]
+        # On one server route.lua writes an answer's event in its own step (one round trip, not
+        # two); on a cluster the event stream lives in another slot: `_answered_event` writes it.
+        events_key = [] if self.keys.cluster else [events.event_key(self.keys)]
+        keys = [tk.items, tk.active, tk.inbox, tk.session, *events_key]
         args = [
             item_id,
             p.author,
@@ -90,6 +93,7 @@ class Routing(BrokerBase):
             surface or "",
             idem,
             *self._retention,
+            *([thread_id, events.EVENTS_MAXLEN] if events_key else []),
         ]
         replicas: int | None = None  # how many replicas confirmed it, when WAIT is on
         try:
@@ -109,23 +113,8 @@ class Routing(BrokerBase):
         item_id, prompt_id, answers, source, refusal = rest
         if repeated:
             return _answered(item_id, prompt_id, answers, source, refusal)
-        try:
-            await events.append_event(
-                self.redis,
-                self.keys,
-                events.ANSWERED,
-                thread_id,
-                prompt_id,
-                source=source,
-                answered_by=p.author,
-            )
-        except (RedisError, OSError) as e:
-            # Only a notice (route.lua cannot write it: another slot); pages also poll, and
-            # the answer itself is committed and its bell rung.
-            logger.warning(
-                "prompt.event_lost",
-                extra={"thread_id": thread_id, "prompt_id": prompt_id, "error": repr(e)},
-            )
+        if not events_key:
+            await self._answered_event(thread_id, prompt_id, source, p.author)
         logger.info(
             "prompt.answered",
             extra={"thread_id": thread_id, "prompt_id": prompt_id, "source": source},
@@ -134,6 +123,28 @@ class Routing(BrokerBase):
         if wanted and (replicas or 0) < wanted:
             raise self._unconfirmed(thread_id, prompt_id, replicas)
         return _answered(item_id, prompt_id, answers, source, refusal)
+
+    async def _answered_event(
+        self, thread_id: str, prompt_id: str, source: str, answered_by: str
+    ) -> None:
+        """On a cluster: the answer's `prompt.answered` event, after route.lua committed it."""
+        try:
+            await events.append_event(
+                self.redis,
+                self.keys,
+                events.ANSWERED,
+                thread_id,
+                prompt_id,
+                source=source,
+                answered_by=answered_by,
+            )
+        except (RedisError, OSError) as e:
+            # Only a notice (route.lua cannot write it: another slot); pages also poll, and
+            # the answer itself is committed and its bell rung.
+            logger.warning(
+                "prompt.event_lost",
+                extra={"thread_id": thread_id, "prompt_id": prompt_id, "error": repr(e)},
+            )
 
     async def _route_and_wait(
         self, tk: ThreadKeys, keys: list[str], args: list[Any]
