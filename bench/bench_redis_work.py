@@ -361,7 +361,7 @@ async def run(args: argparse.Namespace, url: str) -> None:
     await floor.start()
     names[floor.sha_ask], names[floor.sha_answer] = "floor_ask", "floor_answer"
     try:
-        async with Broker(_client(url), Settings(key_prefix=prefix), owns_client=True) as b:
+        async with Broker.from_url(url, Settings(key_prefix=prefix)) as b:  # as deployed
             drivers = {"Broker": broker_driver(b, prefix), "floor": floor.drive}
             real, bare = await measure(
                 url, drivers, args.lifecycles, args.threads, names, args.rounds
