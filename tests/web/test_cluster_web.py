@@ -4,6 +4,7 @@ cluster has a SCAN cursor per primary, not one)."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -72,3 +73,41 @@ async def test_prompts_and_an_answer(http: httpx.AsyncClient, cluster_broker: Br
     assert r.status_code in (200, 201), r.text
     assert r.json()["outcome"] == "answered"
     assert (await b.get_prompt("a1", p.prompt_id)).state == "answered"
+
+
+async def test_webhooks_on_the_cluster(cluster_broker: Broker) -> None:
+    """The webhook dispatcher's arq queue and jobs share arq's hash tag, so arq works on the one
+    primary owning it: a prompt's opening and its answer reach the subscriber, once each."""
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from web.receiver import Receiver
+    from web.webhooks import Webhook
+
+    b = cluster_broker
+    secret = "hook-secret-0123456789"
+    receiver = Receiver(secret, "http://inbox.example")
+    target = Starlette(routes=[Route("/hook", receiver.handle, methods=["POST"])])
+    admin = Identity.model_validate({"name": "root", "token": TOKEN, "scopes": ["admin"]})
+    async with serving(target) as hook_base:
+        hook = Webhook(id="chat", url=f"{hook_base}/hook", secret=secret)
+        app = create_app(
+            ApiSettings(tokens=(admin,), webhooks=(hook,)),
+            broker=b,
+            webhook_options={"retry_delay": 0.1},
+        )
+        async with serving(app):
+            p = await b.ask("w1", "approval", [Question(question="Deploy?")])
+            await b.post_item("w1", {"author": "bob", "content": [{"type": "text", "text": "1"}]})
+            for _ in range(200):
+                if len(receiver.messages) >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # a duplicate, if any, would be in by now
+    link = f"http://inbox.example/#/threads/w1/prompts/{p.prompt_id}"
+    assert receiver.messages == [
+        f"[w1] a approval waits on you: answer at {link}",
+        f"[w1] answered by bob ({link})",
+    ]
+    queue = b.redis.keyslot(f"{b.keys.audit_slot}{b.keys.prefix}:webhooks:queue")  # type: ignore[attr-defined]
+    assert queue == b.redis.keyslot("arq:abort")  # type: ignore[attr-defined]
