@@ -79,7 +79,7 @@ def _client(url: str) -> Redis:
 
 
 def _broker(url: str, prefix: str, **settings: Any) -> Broker:
-    return Broker(_client(url), Settings(key_prefix=prefix, **settings), owns_client=True)
+    return Broker.from_url(url, Settings(key_prefix=prefix, **settings))
 
 
 #: No step of a lifecycle should take this long; past it the run stops with an error, not a hang.
