@@ -97,7 +97,7 @@ class Routing(BrokerBase):
         ]
         replicas: int | None = None  # how many replicas confirmed it, when WAIT is on
         try:
-            if self.settings.wait_replicas:
+            if self.settings.wait_replicas and not p.is_self:  # the broker's own: never answers
                 reply, replicas = await self._route_and_wait(tk, keys, args)
             else:
                 reply = await self._scripts.call(self.redis, "route", keys, args)

@@ -119,6 +119,24 @@ async def test_off_by_default_no_wait(redis_cluster: RedisClusterNodes) -> None:
         assert await waiting
 
 
+async def test_the_brokers_own_items_are_not_waited_on(redis_cluster: RedisClusterNodes) -> None:
+    """An agent's output (the broker's identity) never answers: it is not held up by WAIT, even
+    with the replica paused; a person's message is, but only an answer can fail."""
+    settings = Settings(key_prefix="w" + uuid.uuid4().hex[:8], wait_replicas=1, wait_timeout=0.5)
+    async with Broker.from_url(redis_cluster.url, settings, cluster=True) as b:
+        assert isinstance(b.redis, RedisCluster)
+        await b.post_item("x1", text("hello"))
+        replica = _replica_of(redis_cluster, b.redis.get_node_from_key(b.thread("x1").items).port)
+        loop = asyncio.get_running_loop()
+        with paused(replica):
+            started = loop.time()
+            for _ in range(5):
+                own = {"author": settings.identity, "content": [{"type": "text", "text": "out"}]}
+                assert (await b.post_item("x1", own)).outcome == "posted"
+            assert loop.time() - started < 0.5
+            assert (await b.post_item("x1", text("a message"))).outcome == "queued"
+
+
 async def test_wait_on_one_server(redis_server_factory: Callable[..., RedisServer]) -> None:
     """Not only a cluster: on one server WAIT runs on the pipeline's one connection. With no
     replica the answer commits and says it is unconfirmed; with one, it returns."""
