@@ -13,14 +13,15 @@ import signal
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from redis import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from broker import Broker, BrokerUnavailable, Settings
+from broker import Broker, BrokerError, BrokerUnavailable, Settings
 from broker.models import Question
-from tests.conftest import RedisClusterNodes
+from tests.conftest import RedisClusterNodes, start_cluster
 from tests.helpers import began_waiting, text, truthy, until
 from workers.runtime.redis_server import RedisServer
 
@@ -157,3 +158,51 @@ async def test_wait_on_one_server(redis_server_factory: Callable[..., RedisServe
         r = Redis(port=replica.port, decode_responses=True)
         assert r.hget(b.thread("s2").prompt(prompt_id), "state") == "answered"
         assert await waiting
+
+
+@pytest.mark.parametrize("lose", [False, True], ids=["wait-1", "off-replica-behind"])
+async def test_a_confirmed_answer_survives_its_primary_killed(tmp_path: Path, lose: bool) -> None:
+    """kill -9 of the primary the moment the post returned: its replica is promoted with the
+    answer (WAIT covered it, and every write before it on that primary: the question too).
+    Without WAIT, a replica that had not yet received the answer is promoted without it."""
+    own = start_cluster(tmp_path)
+    try:
+        wait = {} if lose else {"wait_replicas": 1, "wait_timeout": 2}
+        settings = Settings(key_prefix="w" + uuid.uuid4().hex[:8], **wait)
+        async with Broker.from_url(own.url, settings, cluster=True) as b:
+            assert isinstance(b.redis, RedisCluster)
+            await b.redis.initialize()
+            first = own.nodes[0].port  # the URL's node: not the one to kill
+            thread = next(
+                f"k{i}"
+                for i in range(100)
+                if b.redis.get_node_from_key(b.thread(f"k{i}").items).port != first
+            )
+            port = b.redis.get_node_from_key(b.thread(thread).items).port
+            p = await b.ask(thread, "text", [Question(question="Name?")])
+            replica = _replica_of(own, port)
+            if lose:  # WAIT off, the replica cut off through the answer: it never gets it
+                await asyncio.sleep(0.3)  # the question replicated
+                with paused(replica):  # (paused, it cannot reconnect before the kill)
+                    Redis(port=port).client_kill_filter(_type="slave")
+                    assert (await b.post_item(thread, text("Ann"))).outcome == "answered"
+                    next(n for n in own.nodes if n.port == port).kill()
+            else:
+                assert (await b.post_item(thread, text("Ann"))).outcome == "answered"
+                next(n for n in own.nodes if n.port == port).kill()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while True:
+                try:
+                    record = await b.get_prompt(thread, p.prompt_id)
+                    break
+                except BrokerError:
+                    assert loop.time() < deadline, "no replica took over in 30 s"
+                    await asyncio.sleep(0.5)
+            if lose:  # what a failover can lose: the answer, the prompt pending again
+                assert record.state == "pending"
+            else:
+                assert record.state == "answered" and record.answer_text == "Ann"
+            assert b.redis.get_node_from_key(b.thread(thread).items).port != port
+    finally:
+        own.stop()
