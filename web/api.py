@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import re
 from collections.abc import Mapping
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -21,10 +17,11 @@ from broker import (
     PromptNotFound,
     StaleAnswer,
     ThreadNotFound,
+    Timing,
 )
 from broker.keys import check_prompt_id, check_thread_id
 from broker.sessions import Session
-from web import idempotency, sse
+from web import access, idempotency, inputs, sse, timing_api
 from web.auth import COOKIE, Caller, Gate
 from web.errors import ApiError, bad, from_broker, json_response
 from web.settings import ApiSettings
@@ -32,58 +29,8 @@ from web.webhooks import Dispatcher
 
 __all__ = ["Api"]
 
-_MAX_BODY = 256 * 1024  # the library refuses items past 64 KB; this only bounds the read
-_PAGE = 50
-_MAX_PAGE = 200
 _ITEMS_SHOWN = 1000
-_SCAN_BUDGET = 2000
-_DIGITS = re.compile(
-    r"[0-9]{1,4}"
-)  # not str.isdigit: that takes "¹" too  # index entries one page of prompts looks at, at most
-
-
-def _limit(request: Request) -> int:
-    raw = request.query_params.get("limit")
-    if raw is None:
-        return _PAGE
-    if not _DIGITS.fullmatch(raw) or not 1 <= int(raw) <= _MAX_PAGE:
-        raise bad("limit", f"expected a whole number from 1 to {_MAX_PAGE}")
-    return int(raw)
-
-
-def _encode_cursor(value: object) -> str:
-    return base64.urlsafe_b64encode(orjson.dumps(value)).decode().rstrip("=")
-
-
-def _decode_cursor(request: Request) -> Any:
-    raw = request.query_params.get("cursor") or ""
-    if not raw:
-        return None
-    try:
-        return orjson.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
-    except (ValueError, binascii.Error, orjson.JSONDecodeError):
-        raise bad("cursor", "not a cursor this server gave out") from None
-
-
-def _thread_id(request: Request) -> str:
-    return check_thread_id(request.path_params["thread_id"])
-
-
-async def _json_body(request: Request, *, optional: bool = False) -> tuple[dict[str, Any], bytes]:
-    raw = b""
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > _MAX_BODY:
-            raise ApiError(413, "too_large", f"the body is over {_MAX_BODY} bytes")
-    if not raw.strip() and optional:
-        return {}, raw
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise bad("body", "not valid JSON") from None
-    if not isinstance(body, dict):
-        raise bad("body", f"expected a JSON object, got {type(body).__name__}")
-    return body, raw
+_SCAN_BUDGET = 2000  # index entries one page of prompts looks at, at most
 
 
 def item_json(item: Item) -> dict[str, Any]:
@@ -143,14 +90,24 @@ class Api:
         return None
 
     async def prompt_json(
-        self, prompt: Prompt, session: Session | None = None, *, lookup: bool = True
+        self,
+        prompt: Prompt,
+        session: Session | None = None,
+        *,
+        lookup: bool = True,
+        timings: Mapping[str, Timing | None] | None = None,
     ) -> dict[str, Any]:
+        """A prompt's JSON: its record, its thread's harness and folder, its effective timing
+        (`timings`: read for a page at once; else read here) and when its deadline falls."""
         if session is None and lookup:
             session = await self._session(prompt.thread_id)
+        if timings is None:
+            timings = await timing_api.read_timings(self.broker, [prompt])
         out = prompt.model_dump(exclude={"questions"})
         out["questions"] = [q.wire() for q in prompt.questions]
         out["harness"] = session.harness if session else None
         out["work_folder"] = session.work_folder if session else None
+        out.update(timing_api.timing_json(timings.get(prompt.prompt_id), prompt))
         if prompt.state == "answered" and prompt.answered_by is None:
             out["answered_by"] = await self._answered_by(prompt)  # a record from before it kept one
         return out
@@ -166,8 +123,8 @@ class Api:
         state = request.query_params.get("state", "open")
         if state != "open":
             raise bad("state", "only `open` is listed (what waits on a person)")
-        limit = _limit(request)
-        after = _decode_cursor(request)
+        page = inputs.limit(request)
+        after = inputs.decode_cursor(request)
         if after is not None and not (
             isinstance(after, list)
             and len(after) == 2
@@ -175,11 +132,17 @@ class Api:
             and isinstance(after[1], str)
         ):
             raise bad("cursor", "not a cursor this server gave out")
-        prompts, next_cursor = await self._open_page(caller, limit, after)
+        prompts, next_cursor = await self._open_page(caller, page, after)
         threads = sorted({p.thread_id for p in prompts})
-        got = await asyncio.gather(*(self._session(t) for t in threads))
+        got, timings = await asyncio.gather(
+            asyncio.gather(*(self._session(t) for t in threads)),
+            timing_api.read_timings(self.broker, prompts),
+        )
         sessions = dict(zip(threads, got, strict=True))
-        out = [await self.prompt_json(p, sessions[p.thread_id], lookup=False) for p in prompts]
+        out = [
+            await self.prompt_json(p, sessions[p.thread_id], lookup=False, timings=timings)
+            for p in prompts
+        ]
         return json_response({"prompts": out, "next_cursor": next_cursor})
 
     async def _open_page(
@@ -203,25 +166,26 @@ class Api:
             for member, score, prompt in await self._pending(caller, batch, after):
                 found.append(prompt)
                 if len(found) == limit:
-                    return found, _encode_cursor([score, member])
+                    return found, inputs.encode_cursor([score, member])
             if len(batch) < size:
                 return found, None
             if offset >= _SCAN_BUDGET:
                 member, score = batch[-1]
-                return found, _encode_cursor([int(score), member])
+                return found, inputs.encode_cursor([int(score), member])
             size = 200
 
     async def _pending(
         self, caller: Caller, batch: list[tuple[str, float]], after: list[Any] | None
     ) -> list[tuple[str, int, Prompt]]:
-        """The pending prompts of a batch of index entries past `after` the caller may see."""
+        """The pending prompts of a batch of index entries past `after` the caller may see: in
+        its glob, or (a caller with groups) escalated to one of its groups."""
         wanted = []
         for member, score in batch:
             if after is not None and (int(score), member) <= (after[0], after[1]):
                 continue
-            thread_id, prompt_id = self.broker.keys.split_member(member)
-            if caller.sees(thread_id):
-                wanted.append((member, int(score), thread_id, prompt_id))
+            thread, prompt_id = self.broker.keys.split_member(member)
+            if caller.identity.groups or caller.sees(thread):
+                wanted.append((member, int(score), thread, prompt_id))
         got = await asyncio.gather(
             *(self.broker.get_prompt(t, p) for _, _, t, p in wanted), return_exceptions=True
         )
@@ -231,19 +195,21 @@ class Api:
                 continue  # an index entry whose record is gone: the sweep drops it
             if isinstance(prompt, BaseException):
                 raise prompt
-            if prompt.state == "pending":
+            if prompt.state != "pending":
+                continue
+            if caller.sees(prompt.thread_id) or access.escalated_to_caller(caller, prompt):
                 out.append((member, score, prompt))
         return out
 
     async def list_threads(self, request: Request) -> Response:
         caller = self.gate.require(request, "read")
-        limit = _limit(request)
-        cursor = _decode_cursor(request)
+        page = inputs.limit(request)
+        cursor = inputs.decode_cursor(request)
         if cursor is not None and (not isinstance(cursor, int) or cursor < 0):
             raise bad("cursor", "not a cursor this server gave out")
         prefix = self.broker.keys.prefix
         match = f"{prefix}:{{*}}:items"
-        next_scan, keys = await self.broker.redis.scan(cursor or 0, match=match, count=limit * 4)
+        next_scan, keys = await self.broker.redis.scan(cursor or 0, match=match, count=page * 4)
         threads = []
         for key in keys:
             thread_id = key[len(prefix) + 2 : -len("}:items")]
@@ -259,12 +225,13 @@ class Api:
                     "status": session.status if session else None,
                 }
             )
-        next_cursor = _encode_cursor(int(next_scan)) if int(next_scan) else None
+        next_cursor = inputs.encode_cursor(int(next_scan)) if int(next_scan) else None
         return json_response({"threads": threads, "next_cursor": next_cursor})
 
     async def get_thread(self, request: Request) -> Response:
-        thread_id = _thread_id(request)
-        self.gate.require(request, "read", thread_id)
+        thread_id = inputs.thread_id(request)
+        caller = self.gate.require(request, "read")
+        await access.viewable_thread(self.broker, caller, thread_id)
         await self._check_thread(thread_id)
         items = await self.broker.items(thread_id)
         session = await self._session(thread_id)
@@ -280,10 +247,10 @@ class Api:
         )
 
     async def get_prompt(self, request: Request) -> Response:
-        thread_id = _thread_id(request)
-        self.gate.require(request, "read", thread_id)
+        thread_id = inputs.thread_id(request)
+        caller = self.gate.require(request, "read")
         prompt_id = check_prompt_id(request.path_params["prompt_id"])
-        prompt = await self.broker.get_prompt(thread_id, prompt_id)
+        prompt = await access.readable_prompt(self.broker, caller, thread_id, prompt_id)
         out = await self.prompt_json(prompt)
         out["item"] = None
         for item in await self.broker.items(thread_id):
@@ -295,9 +262,12 @@ class Api:
     # -- writing -------------------------------------------------------------------------------
 
     async def post_item(self, request: Request) -> Response:
-        thread_id = _thread_id(request)
-        caller = self.gate.require(request, "answer", thread_id)
-        body, raw = await _json_body(request)
+        thread_id = inputs.thread_id(request)
+        caller = self.gate.require(request, "answer")
+        if not caller.sees(thread_id) and not caller.identity.groups:
+            raise access.forbidden()  # before the body is read, as ever
+        body, raw = await inputs.json_body(request)
+        await access.answerable_prompt(self.broker, caller, thread_id, body)
         key = request.headers.get("idempotency-key")
         if key is None:
             status, out = await self._post(thread_id, caller, body)
@@ -355,9 +325,9 @@ class Api:
         return api_error
 
     async def cancel(self, request: Request) -> Response:
-        thread_id = _thread_id(request)
+        thread_id = inputs.thread_id(request)
         caller = self.gate.require(request, "answer", thread_id)
-        body, _ = await _json_body(request, optional=True)
+        body, _ = await inputs.json_body(request, optional=True)
         unknown = sorted(set(body) - {"reason", "prompt_id"})
         if unknown:
             raise bad(unknown[0], "unknown field (a cancel takes reason, prompt_id)")
@@ -371,6 +341,14 @@ class Api:
             {"cancelled": await self.prompt_json(cancelled) if cancelled else None}
         )
 
+    # -- timing ------------------------------------------------------------------------------
+
+    async def get_timing(self, request: Request) -> Response:
+        return await timing_api.get_timing(self.broker, self.gate, request)
+
+    async def put_timing(self, request: Request) -> Response:
+        return await timing_api.put_timing(self.broker, self.gate, request)
+
     # -- sign-in -------------------------------------------------------------------------------
 
     def _session_body(self, caller: Caller) -> dict[str, Any]:
@@ -379,13 +357,14 @@ class Api:
             "name": caller.name,
             "scopes": list(caller.identity.scopes),
             "threads": caller.identity.threads,
+            "groups": list(caller.identity.groups),
             "csrf_token": self.gate.csrf_token(caller),
             "expires_at": expires,
         }
 
     async def sign_in(self, request: Request) -> Response:
         self.gate.check_origin(request)  # no signing a visitor in from another site
-        body, _ = await _json_body(request)
+        body, _ = await inputs.json_body(request)
         token = body.get("token")
         if not isinstance(token, str) or not token:
             raise bad("token", "expected the token, a string")
@@ -441,7 +420,7 @@ class Api:
         if thread_id is not None:
             check_thread_id(thread_id)
         caller = self.gate.require(request, "read", thread_id)
-        visible = caller.sees if thread_id is None else (lambda t: t == thread_id)
+        visible = access.Visibility(self.broker, caller, thread_id)
         body = sse.stream(
             self.hub, request.headers.get("last-event-id"), visible, self.settings.heartbeat
         )

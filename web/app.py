@@ -205,6 +205,18 @@ def create_app(
         Route("/v1/threads/{thread_id}", handler("get_thread")),
         Route("/v1/threads/{thread_id}/events", handler("events")),
         Route("/v1/threads/{thread_id}/prompts/{prompt_id}", handler("get_prompt")),
+        Route("/v1/threads/{thread_id}/timing", handler("get_timing"), methods=["GET"]),
+        Route("/v1/threads/{thread_id}/timing", handler("put_timing"), methods=["PUT"]),
+        Route(
+            "/v1/threads/{thread_id}/prompts/{prompt_id}/timing",
+            handler("get_timing"),
+            methods=["GET"],
+        ),
+        Route(
+            "/v1/threads/{thread_id}/prompts/{prompt_id}/timing",
+            handler("put_timing"),
+            methods=["PUT"],
+        ),
         Route("/v1/threads/{thread_id}/items", handler("post_item"), methods=["POST"]),
         Route("/v1/threads/{thread_id}/cancel", handler("cancel"), methods=["POST"]),
         Route("/v1/webhooks", handler("webhooks")),

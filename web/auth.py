@@ -42,7 +42,8 @@ class Caller:
         return self.identity.name
 
     def sees(self, thread_id: str) -> bool:
-        """Whether the thread is within the identity's `threads` glob."""
+        """Whether the thread is within the identity's `threads` glob (escalation to one of its
+        `groups` widens this for one prompt: web/access.py)."""
         return fnmatchcase(thread_id, self.identity.threads)
 
 

@@ -43,9 +43,10 @@ def _read(summary: str, ok: dict[str, Any], *codes: int, **extra: Any) -> dict[s
 
 
 _SSE = {
-    "description": "Server-Sent Events: `prompt.opened`, `prompt.answered`, `prompt.cancelled` "
-    "(each with an `id:`), `ready` first, `reset` when the client fell behind the log; a "
-    "`: ping` comment every heartbeat. Resume with the `Last-Event-ID` header.",
+    "description": "Server-Sent Events: `prompt.opened`, `prompt.answered`, `prompt.cancelled`, "
+    "`prompt.reminder`, `prompt.escalated` (each with an `id:`), `ready` first, `reset` "
+    "when the client fell behind the log; a `: ping` comment every heartbeat. Resume with "
+    "the `Last-Event-ID` header.",
     "content": {"text/event-stream": {"schema": {"type": "string"}}},
 }
 
@@ -106,6 +107,30 @@ _SCHEMAS: dict[str, Any] = {
             "answers": {"type": ["array", "null"], "items": _ref("Answer")},
             "answered_by": {"type": ["string", "null"]},
             "reason": {"type": ["string", "null"]},
+            "escalated_to": {"type": ["string", "null"]},
+            "timing": {"oneOf": [_ref("Timing"), {"type": "null"}]},
+            "deadline_at": {"type": ["string", "null"], "format": "date-time"},
+        },
+    },
+    "Timing": {
+        "type": "object",
+        "description": "seconds after a prompt opens; a PUT also takes durations as text "
+        "(`90s`, `15m`, `2h`, `1d`)",
+        "additionalProperties": False,
+        "properties": {
+            "deadline": {"type": "number", "exclusiveMinimum": 0},
+            "remind": {"type": "array", "items": {"type": "number"}, "maxItems": 20},
+            "escalate": {"type": "number", "exclusiveMinimum": 0},
+            "escalate_to": {"type": "string", "pattern": "^[A-Za-z0-9_.:-]+$"},
+        },
+    },
+    "TimingState": {
+        "type": "object",
+        "properties": {
+            "thread_id": {"type": "string"},
+            "prompt_id": {"type": "string"},
+            "timing": {"oneOf": [_ref("Timing"), {"type": "null"}]},
+            "deadline_at": {"type": ["string", "null"], "format": "date-time"},
         },
     },
     "Item": {
@@ -150,11 +175,30 @@ _SCHEMAS: dict[str, Any] = {
             "name": {"type": "string"},
             "scopes": {"type": "array", "items": {"type": "string"}},
             "threads": {"type": "string"},
+            "groups": {"type": "array", "items": {"type": "string"}},
             "csrf_token": {"type": ["string", "null"]},
             "expires_at": {"type": ["integer", "null"]},
         },
     },
 }
+
+
+_PROMPT = {"name": "prompt_id", "in": "path", "required": True, "schema": {}}
+
+
+def _timing(what: str, *params: dict[str, Any]) -> dict[str, Any]:
+    """GET and PUT of a thread's or a prompt's timing."""
+    state = _json(_ref("TimingState"), "the timing in force (`null`: none)")
+    return {
+        **_read(f"{what}'s timing", state, 404, parameters=list(params)),
+        "put": {
+            "summary": f"set {what}'s timing, or clear it with `null` (answer, in the glob)",
+            "parameters": list(params),
+            "requestBody": _json({"oneOf": [_ref("Timing"), {"type": "null"}]}, "the timing"),
+            "responses": {"200": state, **_errors(401, 403, 404, 409, 422, 503)},
+            "security": [{"bearer": []}, {"session": []}],
+        },
+    }
 
 
 def document() -> dict[str, Any]:
@@ -239,6 +283,10 @@ def document() -> dict[str, Any]:
                     _THREAD,
                     {"name": "prompt_id", "in": "path", "required": True, "schema": {}},
                 ],
+            ),
+            "/v1/threads/{thread_id}/timing": _timing("the thread", _THREAD),
+            "/v1/threads/{thread_id}/prompts/{prompt_id}/timing": _timing(
+                "the prompt", _THREAD, _PROMPT
             ),
             "/v1/threads/{thread_id}/items": {
                 "post": {

@@ -28,6 +28,20 @@ logger = logging.getLogger("web.receiver")
 
 #: Deliveries signed longer ago than this are refused: a captured one cannot be replayed later.
 MAX_AGE = 300
+_KINDS = 10_000  # prompts whose kind it remembers (for their reminders' words)
+
+
+def _age(seconds: object) -> str:
+    """`45s`, `15m`, `1h 30m`, `2d 1h`: how long a prompt has waited, in a chat line."""
+    s = int(seconds) if isinstance(seconds, int | float) else 0
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    big, small = (86400, 3600) if s >= 86400 else (3600, 60)
+    unit = {86400: "d", 3600: "h", 60: "m"}
+    rest = (s % big) // small
+    return f"{s // big}{unit[big]}" + (f" {rest}{unit[small]}" if rest else "")
 
 
 class Receiver:
@@ -38,15 +52,27 @@ class Receiver:
         self.inbox_url = inbox_url.rstrip("/")
         self.messages: list[str] = []
         self.seen: set[str] = set()
+        self.kinds: dict[str, str] = {}  # prompt id -> its kind, from its prompt.opened
 
     def message(self, event: dict[str, Any]) -> str:
         thread, prompt = event.get("thread_id", "?"), event.get("prompt_id", "?")
         link = f"{self.inbox_url}/#/threads/{thread}/prompts/{prompt}"
         name = event.get("event")
         if name == "prompt.opened":
+            if len(self.kinds) >= _KINDS:
+                self.kinds.clear()
+            self.kinds[prompt] = event.get("kind", "prompt")
             return f"[{thread}] a {event.get('kind', 'prompt')} waits on you: answer at {link}"
         if name == "prompt.answered":
+            self.kinds.pop(prompt, None)
             return f"[{thread}] answered by {event.get('answered_by') or 'someone'} ({link})"
+        waited = f"a {self.kinds.get(prompt, 'prompt')} has waited {_age(event.get('age_s'))}"
+        if name == "prompt.reminder":
+            n, of = event.get("reminder", "?"), event.get("of", "?")
+            return f"[{thread}] reminder {n} of {of}: {waited}: answer at {link}"
+        if name == "prompt.escalated":
+            return f"[{thread}] escalated to {event.get('to', '?')}: {waited}: answer at {link}"
+        self.kinds.pop(prompt, None)
         return f"[{thread}] cancelled: {event.get('reason') or 'no reason given'} ({link})"
 
     async def handle(self, request: Request) -> Response:

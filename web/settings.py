@@ -3,11 +3,15 @@
 `PROMPT_BROKER_API_TOKENS` is a JSON list of identities, or the path of a file holding one::
 
     [{"name": "alice", "token_sha256": "9f86d0...", "scopes": ["read", "answer"]},
-     {"name": "deploy-bot", "token": "pb_...", "scopes": ["read"], "threads": "deploy-*"}]
+     {"name": "deploy-bot", "token": "pb_...", "scopes": ["read"], "threads": "deploy-*"},
+     {"name": "bob", "token_sha256": "...", "scopes": ["read", "answer"], "threads": "bob-*",
+      "groups": ["oncall"]}]
 
 A token is given in clear (`token`) or, better, as the hex SHA-256 of it (`token_sha256`, what
-`prompt-broker token new` prints); only the hash is kept in memory. An unknown
-`PROMPT_BROKER_API_*` name, an unknown field or a bad value fails loudly with `BadItem`.
+`prompt-broker token new` prints); only the hash is kept in memory. `groups` names what a
+prompt's timing may escalate to (`escalate_to`): once escalated, members may read and answer
+it. An unknown `PROMPT_BROKER_API_*` name, an unknown field or a bad value fails loudly with
+`BadItem`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import hashlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -38,6 +42,8 @@ __all__ = [
 ENV_PREFIX = "PROMPT_BROKER_API_"
 Scope = Literal["read", "answer", "admin"]
 SCOPES: tuple[Scope, ...] = ("read", "answer", "admin")
+#: A group an identity belongs to: what a prompt's timing may escalate to (`escalate_to`).
+Group = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
 
 
 def hash_token(token: str) -> str:
@@ -54,6 +60,9 @@ class Identity(BaseModel):
     token_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     scopes: tuple[Scope, ...] = Field(min_length=1)
     threads: str = Field("*", min_length=1, max_length=256)
+    #: Prompts escalated to one of these (a timing's `escalate_to`) it may also read and
+    #: answer, whatever its `threads` glob says.
+    groups: tuple[Group, ...] = Field((), max_length=64)
 
     @model_validator(mode="before")
     @classmethod

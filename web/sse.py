@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 
 from redis.asyncio import Redis
@@ -146,10 +146,11 @@ class _Behind(Exception):
 async def stream(
     hub: EventHub,
     last_event_id: str | None,
-    visible: Callable[[str], bool],
+    visible: Callable[[events.Event], Awaitable[bool]],
     heartbeat: float,
 ) -> AsyncIterator[bytes]:
-    """The bytes of one SSE response: `ready`, the replay or a `reset`, then live events."""
+    """The bytes of one SSE response: `ready`, the replay or a `reset`, then live events (those
+    `visible` says the caller may see: its threads', and prompts escalated to its groups)."""
     sub = hub.subscribe()  # before the replay is read, so nothing falls between the two
     try:
         yield f"retry: {_RETRY_MS}\n\n".encode()
@@ -167,7 +168,7 @@ async def stream(
         else:
             yield _frame("ready", {"last_event_id": sent, "resumed": resumed})
         for event in replay:
-            if visible(event.thread_id):
+            if await visible(event):
                 yield _frame(event.name, _data(event), event.id)
         async for frame in _live(sub, sent, visible, heartbeat):
             yield frame
@@ -176,7 +177,10 @@ async def stream(
 
 
 async def _live(
-    sub: Subscription, sent: str, visible: Callable[[str], bool], heartbeat: float
+    sub: Subscription,
+    sent: str,
+    visible: Callable[[events.Event], Awaitable[bool]],
+    heartbeat: float,
 ) -> AsyncIterator[bytes]:
     """Live events after `sent`, a heartbeat when there are none; a `reset` if it lagged."""
     while not sub.lagged:
@@ -188,7 +192,7 @@ async def _live(
         if not _newer(event.id, sent):
             continue  # already replayed
         sent = event.id
-        if visible(event.thread_id):
+        if await visible(event):
             yield frame
     # Its queue overflowed: events were dropped. It reconnects (EventSource does) and is
     # replayed from its last id, or told to refetch if that is gone too.

@@ -74,6 +74,8 @@ async def test_health_ready_openapi(http: httpx.AsyncClient) -> None:
         "/v1/threads/{thread_id}/prompts/{prompt_id}",
         "/v1/threads/{thread_id}/items",
         "/v1/threads/{thread_id}/cancel",
+        "/v1/threads/{thread_id}/timing",
+        "/v1/threads/{thread_id}/prompts/{prompt_id}/timing",
         "/v1/events",
         "/v1/threads/{thread_id}/events",
         "/v1/session",
