@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -462,6 +463,46 @@ async def test_a_cancelled_prompt_locks_with_its_reason(
     await expect(page.get_by_label("Your reply")).to_have_value("keep going")
     await expect(page.get_by_role("button", name="Send reply")).to_be_disabled()
     await expect(page).to_have_title("prompt-broker inbox")
+
+
+async def test_a_deadline_counts_down_and_an_escalation_and_a_reminder_show(
+    browser: Browser, base_url: str, person: Broker
+) -> None:
+    """A prompt with a deadline shows the time left on its card and in the detail pane, counting
+    down; when a timekeeper reminds and escalates it, its card says "reminded" and "escalated
+    to oncall" at once (from the event stream)."""
+    from broker import Timing
+    from workers.runtime.timekeeper import Timekeeper
+
+    timed = await person.ask("timed", "approval", [_approval("make deploy")])
+    await person.set_timing(
+        "timed",
+        Timing(deadline=7200, remind=(0.2,), escalate=0.3, escalate_to="oncall"),
+        prompt_id=timed.prompt_id,
+    )
+    await person.ask("soon", "text", [{"question": "Ship it?"}])
+    await person.set_timing("soon", Timing(deadline=40))
+    page = await open_inbox(browser, base_url)
+    card = entry(page, "timed")
+    await expect(card.locator("time.deadline")).to_have_text(re.compile(r"expires in 1h 59m"))
+    await expect(card).not_to_contain_text("escalated")
+    await expect(card).not_to_contain_text("reminded")
+    soon = entry(page, "soon").locator("time.deadline")
+    await expect(soon).to_have_text(re.compile(r"expires in [0-9]+s"))
+    await expect(soon).to_have_class(re.compile(r"\bsoon\b"))
+    first = await soon.text_content()
+    await expect(soon).not_to_have_text(first or "", timeout=3000)  # it counts down
+    await card.click()
+    flags = page.locator("#prompt-flags")
+    await expect(flags.locator("time.deadline")).to_have_text(re.compile(r"expires in 1h 59m"))
+    await asyncio.sleep(0.3)
+    await Timekeeper(person).once()  # the reminder and the escalation, as one step
+    await expect(card.locator(".badge.reminded")).to_have_text("reminded", timeout=3000)
+    await expect(card.locator(".badge.escalated")).to_have_text("escalated to oncall")
+    await expect(flags).to_contain_text("escalated to oncall")
+    await expect(flags).to_contain_text("reminded")
+    await expect(card).to_have_attribute("aria-label", re.compile("escalated to oncall; reminded"))
+    await shot(page, "deadline")
 
 
 async def test_a_file_change_shows_its_files_and_every_option(

@@ -7,6 +7,7 @@
   const SAFETY_MS = 30000; // a slow re-read even while live: the snapshot is the truth
   const THREAD_MS = 4000; // the open thread's items (agent output has no event of its own)
   const $ = (id) => document.getElementById(id);
+  const timing = window.pbTiming; // timing.js: deadlines, escalation, reminders
 
   const state = {
     me: null,
@@ -16,6 +17,7 @@
     selected: null, // the prompt id the detail pane shows
     view: null, // {pid, threadId, kind, prompt, form, locked}
     sent: new Set(), // prompts this page answered (their retirement is ours, not news)
+    reminded: new Set(), // prompts a reminder came for while this page was open
     es: null,
     live: false,
     pollTimer: null,
@@ -308,6 +310,15 @@
       refresh();
       threadEvent(parse(e));
     });
+    es.addEventListener("prompt.reminder", (e) => {
+      const d = parse(e);
+      if (!d || !d.prompt_id) return;
+      state.reminded.add(d.prompt_id);
+      renderList();
+      if (state.view && state.view.pid === d.prompt_id) renderFlags(state.view.prompt);
+    });
+    // Escalated: it may now be ours to answer (a group's), and its card says so.
+    es.addEventListener("prompt.escalated", () => refresh());
     for (const name of ["prompt.answered", "prompt.cancelled"]) {
       es.addEventListener(name, (e) => {
         const d = parse(e);
@@ -371,6 +382,7 @@
     const gone = [...state.prompts.keys()].filter((pid) => !next.has(pid));
     state.prompts = next;
     renderList();
+    if (state.view && next.has(state.view.pid)) renderFlags(next.get(state.view.pid)); // escalated since
     for (const pid of gone) retire(pid, null);
     // The bell of a supersede can come before the snapshot holds the newer prompt: once it
     // does, the locked form's note gains its way to the newer one.
@@ -413,7 +425,7 @@
                 class: "entry",
                 "data-pid": p.prompt_id,
                 "aria-current": current ? "true" : null,
-                "aria-label": `${KIND[p.kind] || p.kind} on ${threadId}: ${summary(p)}; waiting ${age(p.created_at)}`,
+                "aria-label": `${KIND[p.kind] || p.kind} on ${threadId}: ${summary(p)}; waiting ${age(p.created_at)}${timing.words(p, state.reminded.has(p.prompt_id))}`,
                 onclick: () => select(p.prompt_id, true),
               },
               h(
@@ -423,6 +435,7 @@
                 h("time", { class: "age", datetime: p.created_at, title: when(p.created_at) }, age(p.created_at)),
               ),
               h("span", { class: "what" }, summary(p)),
+              h("span", { class: "flags" }, timing.flags(h, p, state.reminded.has(p.prompt_id))),
             ),
           ),
         );
@@ -485,6 +498,7 @@
         h("time", { class: "age-words", datetime: p.created_at, title: when(p.created_at) }, ageWords(p.created_at)),
         p.harness ? ` · ${p.harness}` : "",
       ),
+      h("span", { id: "prompt-flags", class: "flags" }),
     );
     form.setAttribute("aria-labelledby", "prompt-title");
     state.view = { pid: p.prompt_id, threadId: p.thread_id, kind: p.kind, prompt: p, form, locked: false, key: null };
@@ -492,7 +506,13 @@
     else if (p.kind === "ask_user_question") buildQuestions(p, form);
     else buildText(p, form);
     body.replaceChildren(head, note, form);
+    renderFlags(p);
     loadThread(p.thread_id);
+  }
+
+  function renderFlags(p) {
+    const el = $("prompt-flags");
+    if (el) el.replaceChildren(...timing.flags(h, p, state.reminded.has(p.prompt_id)));
   }
 
   function buildApproval(p, form) {
@@ -1012,6 +1032,7 @@
       tickAges();
       for (const t of document.querySelectorAll("time.age-words")) t.textContent = ageWords(t.getAttribute("datetime"));
     }, 10000);
+    setInterval(timing.tick, 1000);
     let r = null;
     try {
       r = await api("GET", "/v1/session");
