@@ -25,6 +25,7 @@ from web import access, idempotency, inputs, sse, timing_api
 from web.auth import COOKIE, Caller, Gate
 from web.errors import ApiError, bad, from_broker, json_response
 from web.settings import ApiSettings
+from web.thread_scan import scan_page
 from web.webhooks import Dispatcher
 
 __all__ = ["Api"]
@@ -205,11 +206,9 @@ class Api:
         caller = self.gate.require(request, "read")
         page = inputs.limit(request)
         cursor = inputs.decode_cursor(request)
-        if cursor is not None and (not isinstance(cursor, int) or cursor < 0):
-            raise bad("cursor", "not a cursor this server gave out")
         prefix = self.broker.keys.prefix
         match = f"{prefix}:{{*}}:items"
-        next_scan, keys = await self.broker.redis.scan(cursor or 0, match=match, count=page * 4)
+        keys, next_page = await scan_page(self.broker.redis, cursor, match, page * 4)
         threads = []
         for key in keys:
             thread_id = key[len(prefix) + 2 : -len("}:items")]
@@ -225,7 +224,7 @@ class Api:
                     "status": session.status if session else None,
                 }
             )
-        next_cursor = inputs.encode_cursor(int(next_scan)) if int(next_scan) else None
+        next_cursor = inputs.encode_cursor(next_page) if next_page is not None else None
         return json_response({"threads": threads, "next_cursor": next_cursor})
 
     async def get_thread(self, request: Request) -> Response:

@@ -39,11 +39,13 @@ from typing import Any
 
 import httpx
 import orjson
+import redis.cluster
 from arq.connections import ArqRedis
 from arq.utils import poll
 from arq.worker import Retry, Worker, func
 from pydantic import BaseModel, ConfigDict, Field
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
 from broker import events
@@ -96,14 +98,33 @@ def _backoff(tries: int) -> float:
     return float(min(300, 2**tries))
 
 
-def _arq_pool(redis: Redis) -> ArqRedis:
+def _arq_pool(redis: Redis, queue: str) -> ArqRedis:
     """arq reads bytes: a pool like `redis`'s (same server and options) that does not decode."""
+    if isinstance(redis, RedisCluster):
+        return _arq_on_cluster(redis, queue)
     pool = redis.connection_pool
     kwargs = {**pool.connection_kwargs, "decode_responses": False}
     twin = type(pool)(
         connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
     )
     return ArqRedis(connection_pool=twin)
+
+
+def _arq_on_cluster(nodes: RedisCluster, queue: str) -> ArqRedis:
+    """On a Redis Cluster arq works on the primary owning its queue's slot: every arq key of
+    ours shares the queue's hash tag (broker/keys.py `audit_slot`, the slot of arq's own
+    `arq:abort`), as the audit worker's do. Looked up when `serve` starts: after a failover, a
+    restarted `serve` finds the promoted primary."""
+    start = next(iter(nodes.nodes_manager.startup_nodes.values()))
+    user, password = (start.connection_kwargs.get(k) for k in ("username", "password"))
+    lookup = redis.cluster.RedisCluster(
+        host=start.host, port=start.port, username=user, password=password
+    )
+    try:
+        node = lookup.get_node_from_key(queue)
+    finally:
+        lookup.close()
+    return ArqRedis(host=node.host, port=node.port, username=user, password=password)
 
 
 class Dispatcher:
@@ -123,14 +144,14 @@ class Dispatcher:
         self.redis = redis
         self.keys = keys
         self.hooks = {h.id: h for h in hooks}
-        self.queue = f"{keys.prefix}:webhooks:queue"
+        self.queue = f"{keys.audit_slot}{keys.prefix}:webhooks:queue"  # tagged on a cluster
         self.failed_key = f"{keys.prefix}:webhooks:failed"
         self.consumer = f"{socket.gethostname()}-{os.getpid()}"
         self.tries = tries
         self._claim_idle_ms = claim_idle_ms  # an entry unacknowledged this long was abandoned
         self._claim_every = claim_every
         self._retry_delay = retry_delay  # tests shorten the backoff
-        self._arq = _arq_pool(redis)
+        self._arq = _arq_pool(redis, self.queue)
         self._http = httpx.AsyncClient(timeout=10)
         self._tasks: list[asyncio.Task[Any]] = []
         self._worker: Worker | None = None
@@ -221,7 +242,7 @@ class Dispatcher:
         }
         for hook in self.hooks.values():
             if event.name in hook.events:
-                job_id = f"{self.keys.prefix}:wh:{hook.id}:{event.id}{suffix}"
+                job_id = f"{self.keys.audit_slot}{self.keys.prefix}:wh:{hook.id}:{event.id}{suffix}"
                 await self._arq.enqueue_job(
                     _JOB, hook.id, payload, _job_id=job_id, _queue_name=self.queue
                 )
@@ -275,7 +296,10 @@ class Dispatcher:
             return False
         record = orjson.loads(raw)
         payload = record["payload"]
-        job_id = f"{self.keys.prefix}:wh:{record['hook']}:{payload['id']}:replay:{time.time_ns()}"
+        job_id = (
+            f"{self.keys.audit_slot}{self.keys.prefix}:wh:{record['hook']}:{payload['id']}"
+            f":replay:{time.time_ns()}"
+        )
         await self._arq.enqueue_job(
             _JOB, record["hook"], payload, _job_id=job_id, _queue_name=self.queue
         )
