@@ -324,7 +324,14 @@ def test_token_new_prints_the_token_and_its_line(capsys: pytest.CaptureFixture[s
     assert s.tokens[0].name == "carol" and s.tokens[0].scopes == ("read", "answer")
     assert s.tokens[0].threads == "c-*"
     assert cli_main(["token", "new", "dave", "--scopes", "write"]) == 2
+    assert "--scopes.0:" in capsys.readouterr().err  # the flag and the entry that is wrong
     assert cli_main(["token", "new", "prompt-broker", "--scopes", "read"]) == 2
+    argv = ["token", "new", "erin", "--scopes", "read,answer", "--groups", "oncall, leads"]
+    assert cli_main(argv) == 0
+    entry = orjson.loads(capsys.readouterr().out.strip().splitlines()[1])
+    assert entry["groups"] == ["oncall", "leads"]  # answers prompts escalated to them
+    assert cli_main(["token", "new", "erin", "--scopes", "read", "--groups", "on call"]) == 2
+    assert "--groups.0:" in capsys.readouterr().err
 
 
 async def test_sign_in_from_another_origin_is_refused(anon: httpx.AsyncClient) -> None:

@@ -12,7 +12,7 @@ prompt-broker thread close THREAD        end a thread (its open prompt is cancel
 prompt-broker thread status THREAD [--json]   who holds it, its lease, what it waits on
 prompt-broker serve [--host H] [--port P] [--tokens FILE]
                                          the HTTP API, its event streams and the web inbox
-prompt-broker token new NAME --scopes read,answer [--threads GLOB]
+prompt-broker token new NAME --scopes read,answer [--threads GLOB] [--groups G1,G2]
                                          make a token; prints it, then its line for the config
 prompt-broker webhooks list [--json]     the subscriptions and the deliveries that failed
 prompt-broker webhooks replay DELIVERY_ID

@@ -100,6 +100,12 @@ def _token_args(parser: argparse.ArgumentParser) -> None:
         help="comma-separated: read (GETs, events), answer (post, cancel), admin (everything)",
     )
     new.add_argument("--threads", default=None, metavar="GLOB", help="only these threads")
+    new.add_argument(
+        "--groups",
+        default=None,
+        metavar="G1,G2",
+        help="the groups it answers escalated prompts for, on any thread",
+    )
 
 
 async def cmd_token(args: argparse.Namespace, settings: Settings) -> int:
@@ -112,11 +118,14 @@ async def cmd_token(args: argparse.Namespace, settings: Settings) -> int:
     entry: dict[str, Any] = {"name": args.name, "token": token, "scopes": scopes}
     if args.threads is not None:
         entry["threads"] = args.threads
+    if args.groups is not None:
+        entry["groups"] = [g.strip() for g in args.groups.split(",") if g.strip()]
     try:
         identity = Identity.model_validate(entry)
     except ValidationError as e:
         err = e.errors()[0]
-        raise BadItem(str(err["loc"][0]) if err["loc"] else "token", err["msg"]) from None
+        where = ".".join(f"--{p}" if i == 0 else str(p) for i, p in enumerate(err["loc"]))
+        raise BadItem(where or "token", err["msg"]) from None
     if identity.name == settings.identity:
         raise BadItem("name", f"{identity.name!r} is the broker's own identity")
     print(token)
