@@ -72,7 +72,12 @@ _GUARDS = ["tests/test_guards_*.py"]
 
 #: The tests that matter for each module: pytest arguments, run in this order with `-x`.
 TESTS: dict[str, list[list[str]]] = {
-    "lib.lua": [_GUARDS, _ONCE, ["tests/broker/test_broker.py"], ["tests/runtime/test_replica*.py"]],
+    "lib.lua": [
+        _GUARDS,
+        _ONCE,
+        ["tests/broker/test_broker.py"],
+        ["tests/runtime/test_replica*.py"],
+    ],
     "resume.lua": [_GUARDS, _ONCE],
     "deliver.lua": [_GUARDS, _ONCE],
     "grant.lua": [_GUARDS, _ONCE, ["tests/agents/test_grants.py"]],
