@@ -210,3 +210,38 @@ async def test_what_opened_while_no_timekeeper_ran_is_found(make_broker: Any) ->
 @pytest.fixture
 def backend() -> str:
     return "real"
+
+
+async def test_a_cancel_that_fails_is_tried_again_later_not_in_a_loop(
+    make_broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Expiries whose cancel fails (Redis refusing, say) leave the look at once, a full page of
+    them too, and are tried again a second later, when they succeed."""
+    from broker import BrokerUnavailable
+    from workers.runtime import timekeeper
+
+    monkeypatch.setattr(timekeeper, "PAGE", 1)  # two failing prompts are two full pages
+    b = await make_broker()
+    prompts = [await b.ask(f"f{i}", "ask_user_question", [Q]) for i in range(2)]
+    for p in prompts:
+        await b.set_timing(p.thread_id, Timing(deadline=0.05), prompt_id=p.prompt_id)
+    await asyncio.sleep(0.1)
+    real_cancel, calls = b.cancel, []
+
+    async def refusing(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        if len(calls) <= 2:
+            raise BrokerUnavailable("cancelling", OSError("refused"), False, refused=True)
+        return await real_cancel(*args, **kwargs)
+
+    monkeypatch.setattr(b, "cancel", refusing)
+    keeper = Timekeeper(b, interval=0.02)
+    await asyncio.wait_for(keeper.take_due(), 5)  # returns: the failed ones are not retaken now
+    assert len(calls) == 2
+    for p in prompts:
+        assert (await b.get_prompt(p.thread_id, p.prompt_id)).state == "pending"
+    await asyncio.sleep(1.1)
+    await keeper.take_due()
+    assert len(calls) == 4
+    for p in prompts:
+        assert (await b.get_prompt(p.thread_id, p.prompt_id)).reason == "expired"

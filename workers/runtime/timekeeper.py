@@ -181,7 +181,12 @@ class Timekeeper:
             done = await self.broker.cancel(thread_id, EXPIRED, prompt_id=prompt_id)
         except BrokerError as e:
             logger.warning("timing.expire_failed", extra={"prompt_id": prompt_id, "error": repr(e)})
-            return  # left in the due index: the next look tries again
+            # Looked at again in a second (not at once: this look's page would take it again).
+            member = Keys.member(thread_id, prompt_id)
+            await self.broker.redis.zadd(
+                self._keys.due, {member: await server_ms(self.broker.redis) + 1000}
+            )
+            return
         await self.broker.redis.zrem(self._keys.due, Keys.member(thread_id, prompt_id))
         if done is not None:
             logger.info(
