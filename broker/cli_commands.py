@@ -189,7 +189,10 @@ async def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
         await _require_thread(broker, thread_id)
         items = await broker.items(thread_id)
         active = await broker.active_prompt(thread_id)
-        session = await broker.sessions.get(thread_id)
+        try:
+            session = await broker.sessions.get(thread_id)
+        except (KeyError, ValueError):  # a damaged record: `thread status` says so; show the rest
+            session = None
         # LLEN, never take_inbox: looking must not drain the next turn's input.
         # (redis-py types its sync and asyncio commands as one: the cast picks the async side.)
         inbox = await cast("Awaitable[int]", broker.redis.llen(broker.thread(thread_id).inbox))

@@ -98,3 +98,15 @@ def test_show_and_open_say_a_turn_is_running(env: dict[str, str], tmp_path: Path
         assert "turns running" not in cli("open", env=env).stdout
         document = orjson.loads(cli("show", "t1", "--json", env=env).stdout)
         assert document["session"] == {"status": "running", "owner": "r1"}
+
+
+def test_show_of_a_thread_whose_session_record_is_damaged_still_shows_it(
+    env: dict[str, str],
+) -> None:
+    assert cli("thread", "new", "t1", "--message", "hello", env=env).returncode == 0
+    redis.Redis.from_url(env["PROMPT_BROKER_REDIS_URL"]).hset("pp:{t1}:session", "status", "bogus")
+    shown = cli("show", "t1", env=env)
+    assert shown.returncode == 0 and "hello" in shown.stdout and "Traceback" not in shown.stderr
+    assert "agent:" not in shown.stdout  # `thread status` is where the damage is reported
+    status = cli("thread", "status", "t1", env=env)
+    assert status.returncode == 2 and "damaged" in status.stderr
