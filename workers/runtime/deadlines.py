@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 
 from broker import Broker, BrokerError
 from broker.keys import Keys
+from workers.runtime.background import in_background
 from workers.runtime.ops_status import server_ms
 
 __all__ = ["DEADLINE_ENV", "EXPIRED", "expire_due", "expiring"]
@@ -100,10 +101,5 @@ async def expiring(broker: Broker, deadline_s: float) -> AsyncIterator[None]:
         yield
         return
     # Looks often enough that a prompt is cancelled within about a second of its deadline.
-    task = asyncio.create_task(_run(broker, deadline_s, min(1.0, deadline_s / 4)), name="deadlines")
-    try:
+    async with in_background(_run(broker, deadline_s, min(1.0, deadline_s / 4)), "deadlines"):
         yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task

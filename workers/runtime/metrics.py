@@ -34,6 +34,7 @@ from redis.exceptions import RedisError
 from broker import events
 from broker.keys import Keys
 from workers.agents.harness import Harness, Turn, TurnResult
+from workers.runtime.background import in_background
 from workers.runtime.ops_status import FleetStatus, fleet_status
 
 __all__ = ["REGISTRY", "FleetSampler", "LogCounter", "instrument"]
@@ -421,13 +422,8 @@ async def sampling(sampler: FleetSampler | None) -> Any:
     if sampler is None:
         yield
         return
-    task = asyncio.create_task(sampler.run(), name="fleet-sampler")
-    try:
+    async with in_background(sampler.run(), "fleet-sampler"):
         yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 def labels_of(mapping: Mapping[str, str]) -> str:

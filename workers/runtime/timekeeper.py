@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 
 from broker import Broker, BrokerError, Settings, Step, events
 from broker.keys import Keys
+from workers.runtime.background import in_background
 from workers.runtime.deadlines import EXPIRED
 from workers.runtime.ops_status import server_ms
 
@@ -219,10 +220,5 @@ async def keeping_time(settings: Settings, interval: float = 0.25) -> AsyncItera
     """Run a timekeeper on its own Broker for the duration of the block."""
     async with Broker.from_url(settings=settings) as broker:
         keeper = Timekeeper(broker, interval)
-        task = asyncio.create_task(keeper.run(), name="timekeeper")
-        try:
+        async with in_background(keeper.run(), "timekeeper"):
             yield keeper
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
