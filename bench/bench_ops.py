@@ -151,9 +151,7 @@ async def bench_deadlines(url: str, n: int, deadline: float) -> None:
         f"max {late[-1] * 1000:.0f} ms; cancellations {len(events)} for {n} prompts "
         f"({len(set(events))} distinct)"
     )
-    keys = [k async for k in asker.redis.scan_iter(match="opsdl:*", count=1000)]
-    for i in range(0, len(keys), 500):
-        await asker.redis.delete(*keys[i : i + 500])
+    await _drop_prefix(asker.redis, "opsdl")
     for b in (asker, *expirers):
         await b.aclose()
 
@@ -260,10 +258,15 @@ async def bench_timings(url: str, n: int, remind: float, deadline: float) -> Non
         f"  floor (one step and one cancel, no waiting): p50 {floor[25] * 1000:.2f} ms; the "
         f"timekeeper looks every 250 ms"
     )
-    keys = [k async for k in asker.redis.scan_iter(match="opstm:*", count=1000)]
-    for i in range(0, len(keys), 500):
-        await asker.redis.delete(*keys[i : i + 500])
+    await _drop_prefix(asker.redis, "opstm")
     await asker.aclose()
+
+
+async def _drop_prefix(redis: Any, prefix: str) -> None:
+    """Delete this bench's keys (its prefix only), in batches."""
+    keys = [k async for k in redis.scan_iter(match=f"{prefix}:*", count=1000)]
+    for i in range(0, len(keys), 500):
+        await redis.delete(*keys[i : i + 500])
 
 
 async def _cancel_events(b: Broker) -> Any:
