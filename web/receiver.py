@@ -1,6 +1,10 @@
 """An example webhook receiver: checks each delivery's signature, drops repeats, and turns the
 events into chat-style messages with a link to answer in the inbox.
 
+Deliveries run concurrently and are retried on their own, so they can arrive out of order: an
+opening, reminder or escalation that arrives after its prompt's end (answered or cancelled) is
+acknowledged but not said, so a chat never asks someone to answer a prompt it already called done.
+
     uvicorn --factory web.receiver:from_env   # RECEIVER_SECRET, INBOX_URL (http://127.0.0.1:8420)
 
 A real one would post `messages` to a chat; this one keeps them in a list (and logs them).
@@ -29,6 +33,8 @@ logger = logging.getLogger("web.receiver")
 #: Deliveries signed longer ago than this are refused: a captured one cannot be replayed later.
 MAX_AGE = 300
 _KINDS = 10_000  # prompts whose kind it remembers (for their reminders' words)
+_ENDED = 10_000  # prompts whose end it remembers (to drop a late opening or reminder)
+_ENDS = ("prompt.answered", "prompt.cancelled")
 
 
 def _age(seconds: object) -> str:
@@ -53,11 +59,19 @@ class Receiver:
         self.messages: list[str] = []
         self.seen: set[str] = set()
         self.kinds: dict[str, str] = {}  # prompt id -> its kind, from its prompt.opened
+        self.ended: dict[str, None] = {}  # prompts answered or cancelled, oldest first
 
-    def message(self, event: dict[str, Any]) -> str:
+    def message(self, event: dict[str, Any]) -> str | None:
+        """The chat line for one event, or None for one that arrived after its prompt's end."""
         thread, prompt = event.get("thread_id", "?"), event.get("prompt_id", "?")
         link = f"{self.inbox_url}/#/threads/{thread}/prompts/{prompt}"
         name = event.get("event")
+        if prompt in self.ended:
+            return None  # its end was said: a late opening, reminder or second end is stale
+        if name in _ENDS:
+            if len(self.ended) >= _ENDED:
+                del self.ended[next(iter(self.ended))]
+            self.ended[prompt] = None
         if name == "prompt.opened":
             if len(self.kinds) >= _KINDS:
                 self.kinds.clear()
@@ -88,6 +102,9 @@ class Receiver:
             return PlainTextResponse("already had it")  # at least once: a retry repeats
         self.seen.add(delivery)
         text = self.message(orjson.loads(body))
+        if text is None:
+            logger.info("receiver.stale", extra={"delivery": delivery})
+            return PlainTextResponse("ok (after the prompt's end: not said)")
         self.messages.append(text)
         logger.info("receiver.message", extra={"text": text})
         return PlainTextResponse("ok")

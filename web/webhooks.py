@@ -8,7 +8,8 @@ Subscriptions come from `PROMPT_BROKER_API_WEBHOOKS` (a JSON list, or the path o
 Every `serve` copy reads the event log through one Redis consumer group (`webhooks`), so each
 event is taken by one copy; for each subscription that wants it, an arq job is enqueued with
 the job id `<prefix>:wh:<subscription>:<event id>` (enqueued twice, it runs once), and only
-then is the event acknowledged. Each copy also runs an arq worker on that queue.
+then is the event acknowledged. Each copy also runs an arq worker on that queue. Deliveries run
+concurrently and retry on their own, so they can arrive out of order (a receiver orders by `id`).
 
 A delivery is `POST <url>` with the event as JSON and these headers:
 

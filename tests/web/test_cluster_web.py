@@ -98,6 +98,10 @@ async def test_webhooks_on_the_cluster(cluster_broker: Broker) -> None:
         )
         async with serving(app):
             p = await b.ask("w1", "approval", [Question(question="Deploy?")])
+            for _ in range(200):  # answered once the chat asked (deliveries are concurrent)
+                if receiver.messages:
+                    break
+                await asyncio.sleep(0.05)
             await b.post_item("w1", {"author": "bob", "content": [{"type": "text", "text": "1"}]})
             for _ in range(200):
                 if len(receiver.messages) >= 2:

@@ -272,8 +272,14 @@ async def test_webhooks_signed_retried_and_deduplicated(broker: Broker) -> None:
         serving(await _with_hooks(broker, f"{hook_base}/hook")),
     ):
         p = await broker.ask("t", "approval", [APPROVAL])
+        # A person answers once the chat asked them (deliveries are concurrent, so an answer
+        # given at once could overtake the opening: the receiver would drop the late opening).
+        for _ in range(200):
+            if receiver.messages:
+                break
+            await asyncio.sleep(0.05)
         await broker.post_item("t", {"author": "bob", "content": [{"type": "text", "text": "1"}]})
-        for _ in range(100):
+        for _ in range(200):
             if len(receiver.messages) == 2:
                 break
             await asyncio.sleep(0.05)
@@ -310,6 +316,40 @@ async def test_the_receiver_checks_signatures_and_dedupes() -> None:
         assert (await c.post("/hook", content=body, headers=signed)).status_code == 200
         assert (await c.post("/hook", content=body, headers=signed)).status_code == 200
         assert len(receiver.messages) == 1
+
+
+async def test_the_receiver_drops_what_arrives_after_a_prompts_end() -> None:
+    """Deliveries are concurrent, so an answer can overtake its prompt's opening: the late
+    opening (and a late reminder) is acknowledged but not said; another prompt's is."""
+    from web.receiver import Receiver
+    from web.webhooks import sign
+
+    receiver = Receiver(SECRET, "http://inbox")
+
+    async def deliver(c: httpx.AsyncClient, delivery: str, event: dict[str, Any]) -> str:
+        body = orjson.dumps(event)
+        now = int(time.time())
+        headers = {
+            "X-Prompt-Broker-Timestamp": str(now),
+            "X-Prompt-Broker-Delivery": delivery,
+            "X-Prompt-Broker-Signature": sign(SECRET, now, body),
+        }
+        r = await c.post("/hook", content=body, headers=headers)
+        assert r.status_code == 200, r.text
+        return r.text
+
+    one = {"thread_id": "t", "prompt_id": "prm_1"}
+    async with serving(receiver.app()) as base, httpx.AsyncClient(base_url=base) as c:
+        await deliver(c, "chat:2-0", {**one, "event": "prompt.answered", "answered_by": "bob"})
+        said = await deliver(c, "chat:1-0", {**one, "event": "prompt.opened", "kind": "approval"})
+        assert "not said" in said
+        await deliver(c, "chat:3-0", {**one, "event": "prompt.reminder", "reminder": 1, "of": 1})
+        two = {"thread_id": "t", "prompt_id": "prm_2", "event": "prompt.opened", "kind": "choice"}
+        await deliver(c, "chat:4-0", two)
+    assert receiver.messages == [
+        "[t] answered by bob (http://inbox/#/threads/t/prompts/prm_1)",
+        "[t] a choice waits on you: answer at http://inbox/#/threads/t/prompts/prm_2",
+    ]
 
 
 async def test_failed_deliveries_are_kept_listed_and_replayed(broker: Broker) -> None:
