@@ -40,14 +40,13 @@ from typing import Any
 
 import httpx
 import orjson
-import redis.cluster
 from arq.connections import ArqRedis
 from arq.utils import poll
 from arq.worker import Retry, Worker, func
 from pydantic import BaseModel, ConfigDict, Field
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from broker import events
 from broker.events import EventName
@@ -59,6 +58,9 @@ __all__ = ["TRIES", "Dispatcher", "Webhook", "sign"]
 logger = logging.getLogger("web.webhooks")
 
 TRIES = 8
+#: Backoff between arq worker restarts after a Redis error, in seconds.
+_RESTART_FIRST = 0.1
+_RESTART_MAX = 1.0
 _GROUP = "webhooks"
 _JOB = "deliver_webhook"
 _EVENT_NAMES: tuple[EventName, ...] = (
@@ -99,10 +101,10 @@ def _backoff(tries: int) -> float:
     return float(min(300, 2**tries))
 
 
-def _arq_pool(redis: Redis, queue: str) -> ArqRedis:
+async def _arq_pool(redis: Redis, queue: str, *, refresh: bool = False) -> ArqRedis:
     """arq reads bytes: a pool like `redis`'s (same server and options) that does not decode."""
     if isinstance(redis, RedisCluster):
-        return _arq_on_cluster(redis, queue)
+        return await _arq_on_cluster(redis, queue, refresh=refresh)
     pool = redis.connection_pool
     kwargs = {**pool.connection_kwargs, "decode_responses": False}
     twin = type(pool)(
@@ -111,20 +113,19 @@ def _arq_pool(redis: Redis, queue: str) -> ArqRedis:
     return ArqRedis(connection_pool=twin)
 
 
-def _arq_on_cluster(nodes: RedisCluster, queue: str) -> ArqRedis:
+async def _arq_on_cluster(nodes: RedisCluster, queue: str, *, refresh: bool) -> ArqRedis:
     """On a Redis Cluster arq works on the primary owning its queue's slot: every arq key of
     ours shares the queue's hash tag (broker/keys.py `audit_slot`, the slot of arq's own
-    `arq:abort`), as the audit worker's do. Looked up when `serve` starts: after a failover, a
-    restarted `serve` finds the promoted primary."""
-    start = next(iter(nodes.nodes_manager.startup_nodes.values()))
-    user, password = (start.connection_kwargs.get(k) for k in ("username", "password"))
-    lookup = redis.cluster.RedisCluster(
-        host=start.host, port=start.port, username=user, password=password
-    )
-    try:
-        node = lookup.get_node_from_key(queue)
-    finally:
-        lookup.close()
+    `arq:abort`), as the audit worker's do. With `refresh` (after arq's connection failed) the
+    slot map is asked of the cluster again, from every node the client knows, so a replica
+    promoted in a failover is found even when the node first named is the one that died."""
+    await nodes.initialize()
+    if refresh:
+        await nodes.nodes_manager.initialize()
+    node = nodes.get_node_from_key(queue)
+    if node is None:  # the slot has no primary right now (a failover under way)
+        raise RedisClusterException(f"no primary owns the slot of {queue!r}")
+    user, password = (node.connection_kwargs.get(k) for k in ("username", "password"))
     return ArqRedis(host=node.host, port=node.port, username=user, password=password)
 
 
@@ -152,7 +153,7 @@ class Dispatcher:
         self._claim_idle_ms = claim_idle_ms  # an entry unacknowledged this long was abandoned
         self._claim_every = claim_every
         self._retry_delay = retry_delay  # tests shorten the backoff
-        self._arq = _arq_pool(redis, self.queue)
+        self._arq: ArqRedis | None = None  # made on first use (`_pool`)
         self._http = httpx.AsyncClient(timeout=10)
         self._tasks: list[asyncio.Task[Any]] = []
         self._worker: Worker | None = None
@@ -162,21 +163,7 @@ class Dispatcher:
             await self.redis.xgroup_create(
                 events.event_key(self.keys), _GROUP, id="$", mkstream=True
             )
-        self._worker = _Worker(
-            [func(self._deliver, name=_JOB, max_tries=self.tries)],
-            redis_pool=self._arq,
-            queue_name=self.queue,
-            handle_signals=False,
-            poll_delay=0.1,
-            keep_result=0,
-            max_jobs=20,
-            job_timeout=30,
-            log_results=False,
-        )
-        self._tasks = [
-            asyncio.create_task(self._feed()),
-            asyncio.create_task(self._worker.main()),
-        ]
+        self._tasks = [asyncio.create_task(self._feed()), asyncio.create_task(self._work())]
 
     async def aclose(self) -> None:
         for task in self._tasks:
@@ -185,7 +172,54 @@ class Dispatcher:
         if self._worker is not None:
             await self._close_worker(self._worker)
         await self._http.aclose()
-        await self._arq.aclose(close_connection_pool=True)
+        if self._arq is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await self._arq.aclose(close_connection_pool=True)
+
+    async def _pool(self, *, refresh: bool = False) -> ArqRedis:
+        """arq's connection: to the server, or on a cluster to the primary owning the queue's
+        slot; with `refresh` made again (that primary is looked up anew)."""
+        if self._arq is not None and not refresh:
+            return self._arq
+        old, self._arq = self._arq, await _arq_pool(self.redis, self.queue, refresh=refresh)
+        if old is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await old.aclose(close_connection_pool=True)
+        return self._arq
+
+    async def _work(self) -> None:
+        """Run arq's worker on the queue. A Redis error stops arq's loop (a restart of Redis, or
+        on a cluster a failover of the queue's primary): then arq's connection is made again,
+        to the primary owning the queue now, and another worker started, backing off to 1 s."""
+        delay, refresh = _RESTART_FIRST, False
+        while True:
+            started = time.monotonic()
+            try:
+                pool = await self._pool(refresh=refresh)
+                self._worker = self._new_worker(pool)
+                await self._worker.main()
+            except (RedisError, RedisClusterException, OSError) as e:
+                logger.warning("webhooks.worker_restarting", extra={"error": repr(e)})
+            if self._worker is not None:
+                await self._close_worker(self._worker)
+                self._worker = None
+            if time.monotonic() - started > 30:  # it had been working: start again at once
+                delay = _RESTART_FIRST
+            await asyncio.sleep(delay)
+            delay, refresh = min(delay * 2, _RESTART_MAX), True
+
+    def _new_worker(self, pool: ArqRedis) -> Worker:
+        return _Worker(
+            [func(self._deliver, name=_JOB, max_tries=self.tries)],
+            redis_pool=pool,
+            queue_name=self.queue,
+            handle_signals=False,
+            poll_delay=0.1,
+            keep_result=0,
+            max_jobs=20,
+            job_timeout=30,
+            log_results=False,
+        )
 
     async def _close_worker(self, worker: Worker, drain: float = 5.0) -> None:
         """Let deliveries in flight finish (a short drain), then stop arq's worker. A job arq
@@ -244,7 +278,7 @@ class Dispatcher:
         for hook in self.hooks.values():
             if event.name in hook.events:
                 job_id = f"{self.keys.audit_slot}{self.keys.prefix}:wh:{hook.id}:{event.id}{suffix}"
-                await self._arq.enqueue_job(
+                await (await self._pool()).enqueue_job(
                     _JOB, hook.id, payload, _job_id=job_id, _queue_name=self.queue
                 )
 
@@ -301,7 +335,7 @@ class Dispatcher:
             f"{self.keys.audit_slot}{self.keys.prefix}:wh:{record['hook']}:{payload['id']}"
             f":replay:{time.time_ns()}"
         )
-        await self._arq.enqueue_job(
+        await (await self._pool()).enqueue_job(
             _JOB, record["hook"], payload, _job_id=job_id, _queue_name=self.queue
         )
         await self.redis.hdel(self.failed_key, delivery)  # type: ignore[misc]

@@ -30,10 +30,11 @@ import redis.cluster
 from arq import cron, func
 from arq.connections import RedisSettings
 from arq.worker import Worker
+from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from ulid import ULID
 
@@ -69,7 +70,10 @@ _PROMPT_KEY = re.compile(r"^(?P<prefix>.+):\{(?P<thread>[^}]+)\}:prompt:(?P<prom
 
 async def startup(ctx: dict[str, Any]) -> None:
     settings: Settings = ctx.get("settings") or Settings.from_env()
-    ctx["broker"] = Broker.from_url(settings=settings)
+    extra: dict[str, Any] = {}
+    if settings.redis_cluster and _known_nodes:  # the node the URL names may be the one that died
+        extra["startup_nodes"] = [ClusterNode(host, port) for host, port in _known_nodes]
+    ctx["broker"] = Broker.from_url(settings=settings, **extra)
     ctx["runs"] = 0
 
 
@@ -200,14 +204,21 @@ async def _prompt_batches(broker: Broker) -> Any:
         yield batch
 
 
-def _redis_settings(url: str) -> RedisSettings:
-    """arq's Redis settings, riding out a Redis restart or failover: every command and every
-    connect is retried on a connection error, backing off to 1 s, for about 40 s in all."""
+def _redis_settings(url: str, *, cluster: bool = False) -> RedisSettings:
+    """arq's Redis settings, riding out a Redis restart: every command and every connect is
+    retried on a connection error, backing off to 1 s, for about 40 s in all. On a cluster for
+    about 4 s: a primary that stops answering is more likely gone for good (its replica takes
+    over), and the worker started again then looks the queue's primary up anew."""
     return dataclasses.replace(
         RedisSettings.from_dsn(url),
         retry_on_error=[RedisConnectionError, RedisTimeoutError, OSError],
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=45),
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=8 if cluster else 45),
     )
+
+
+#: Every node of the cluster the last lookup saw (host, port): asked next time beside the one
+#: the URL names, which may be the primary that died.
+_known_nodes: list[tuple[str, int]] = []
 
 
 def _queue_url(settings: Settings, queue: str) -> str:
@@ -215,15 +226,23 @@ def _queue_url(settings: Settings, queue: str) -> str:
 
     arq cannot span slots; on a cluster every key it touches for the audit jobs shares the
     queue's hash tag (broker/keys.py), so one primary holds them all. Looked up each time a
-    worker starts: after a failover the restarted worker finds the promoted primary.
+    worker starts, from the node the URL names and every node seen before: after a failover
+    the worker started again finds the promoted primary. Raises `RedisClusterException` when
+    no node answers or the slot has no primary yet (the caller tries again).
     """
     if not settings.redis_cluster:
         return settings.redis_url
-    nodes = redis.cluster.RedisCluster.from_url(settings.redis_url)
+    others = [redis.cluster.ClusterNode(h, p) for h, p in _known_nodes]  # type: ignore[no-untyped-call]
+    nodes = redis.cluster.RedisCluster.from_url(
+        settings.redis_url, startup_nodes=others, socket_connect_timeout=2, socket_timeout=2
+    )
     try:
         node = nodes.get_node_from_key(queue)
+        _known_nodes[:] = [(n.host, n.port) for n in nodes.get_nodes()]
     finally:
         nodes.close()
+    if node is None:
+        raise RedisClusterException(f"no primary owns the slot of {queue!r}")
     parts = urllib.parse.urlsplit(settings.redis_url)
     return urllib.parse.urlunsplit(parts._replace(netloc=_netloc(parts, node.host, node.port)))
 
@@ -245,7 +264,9 @@ def worker_settings(settings: Settings | None = None) -> dict[str, Any]:
             cron(reconcile, name=reconcile_name, second={0, 15, 30, 45}, run_at_startup=True)
         ],
         "queue_name": keys.audit_queue,
-        "redis_settings": _redis_settings(_queue_url(settings, keys.audit_queue)),
+        "redis_settings": _redis_settings(
+            _queue_url(settings, keys.audit_queue), cluster=settings.redis_cluster
+        ),
         "job_timeout": settings.audit_job_timeout,
         # No result kept: posting is idempotent on its own, and a kept result would block
         # re-enqueueing that prompt's job until it expired.
@@ -332,7 +353,11 @@ async def _run_worker(
 ) -> bool:
     """Run one arq worker until it stops: True when it was asked to (or ended), False when a
     Redis or OS error stopped it (the caller starts another)."""
-    worker = AuditWorker(**worker_settings(settings) | {"handle_signals": False})
+    try:  # on a cluster this looks up the queue's primary: no node may answer yet
+        worker = AuditWorker(**worker_settings(settings) | {"handle_signals": False})
+    except (RedisError, RedisClusterException, OSError) as e:
+        logger.warning("audit.disconnected", extra={"error": repr(e)})
+        return False
     task = asyncio.ensure_future(worker.async_run())
     running[:] = [task]
     try:
@@ -342,7 +367,7 @@ async def _run_worker(
         if stop.is_set():
             return True
         raise
-    except (RedisError, OSError) as e:
+    except (RedisError, RedisClusterException, OSError) as e:
         logger.warning("audit.disconnected", extra={"error": repr(e)})
         return False
     finally:
