@@ -42,6 +42,7 @@ from broker.checks import (
 )
 from broker.delivery import AUDIT_JOB, Delivery
 from broker.errors import BadItem, Fenced, PromptNotFound, PromptUnavailable
+from broker.indexes import Indexes
 from broker.keys import Keys, ThreadKeys, check_prompt_id
 from broker.models import Prompt, Question
 from broker.routing import Routing
@@ -133,7 +134,10 @@ class Broker(Routing, Delivery, Timings):
         self.settings = settings or Settings()
         self.redis = redis
         cluster = isinstance(redis, RedisCluster)  # the client decides, not the setting
-        self.keys = Keys(self.settings.key_prefix, cluster=cluster)
+        self.keys = Keys(
+            self.settings.key_prefix, cluster=cluster, buckets=self.settings.index_buckets
+        )
+        self.indexes = Indexes.of(self.keys)
         self.identity = self.settings.identity
         self._owns_client = owns_client
         self._scripts = Scripts(cluster=cluster)
@@ -294,7 +298,8 @@ class Broker(Routing, Delivery, Timings):
                     *self._retention,
                 ],
             )
-            pipe.zadd(self.keys.open, {self.keys.member(thread_id, prompt_id): ULID().milliseconds})
+            member = self.keys.member(thread_id, prompt_id)
+            pipe.zadd(self.indexes.open.key(thread_id), {member: ULID().milliseconds})
             # Tells live surfaces to look (a fenced ask leaves one for a prompt that never
             # existed: a reader refetches and finds nothing).
             events.queue_event(
@@ -308,7 +313,7 @@ class Broker(Routing, Delivery, Timings):
             # Shielded: a turn cancelled right now (its thread lost) must not leave the index
             # naming a prompt that never existed. `open_prompts` drops such members too.
             cleanup = asyncio.ensure_future(
-                self.redis.zrem(self.keys.open, self.keys.member(thread_id, prompt_id))
+                self.redis.zrem(self.indexes.open.key(thread_id), member)
             )
             cleanup.add_done_callback(_retrieved)
             with contextlib.suppress(RedisError, OSError):

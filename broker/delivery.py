@@ -170,8 +170,8 @@ class Delivery(Reads):
     def _queue_resolved(self, pipe: Any, thread_id: str, prompt_id: str) -> None:
         """Index a resolution: no longer open, its audit item unposted and its job enqueued."""
         member = self.keys.member(thread_id, prompt_id)
-        pipe.zrem(self.keys.open, member)
-        pipe.zadd(self.keys.audit, {member: ULID().milliseconds})
+        pipe.zrem(self.indexes.open.key(thread_id), member)
+        pipe.zadd(self.indexes.audit.key(thread_id), {member: ULID().milliseconds})
         self._queue_audit_job(pipe, thread_id, prompt_id)
 
     def _queue_audit_job(self, pipe: Any, thread_id: str, prompt_id: str) -> None:
@@ -231,7 +231,7 @@ class Delivery(Reads):
             try:
                 prompt = await self.get_prompt(thread_id, prompt_id)
             except PromptNotFound:
-                await self.redis.zrem(self.keys.audit, member)
+                await self.redis.zrem(self.indexes.audit.key(thread_id), member)
                 return None
             if prompt.audit_item_id:
                 status, value = "already", prompt.audit_item_id
@@ -259,8 +259,8 @@ class Delivery(Reads):
                 )
             if status in ("posted", "already"):
                 pipe = self.redis.pipeline(transaction=False)
-                pipe.zrem(self.keys.audit, member)
-                pipe.zrem(self.keys.open, member)
+                pipe.zrem(self.indexes.audit.key(thread_id), member)
+                pipe.zrem(self.indexes.open.key(thread_id), member)
                 await pipe.execute()
                 if status == "posted":
                     logger.info(
@@ -275,6 +275,6 @@ class Delivery(Reads):
                     return None
                 # Nothing to post yet: drop it from the index, then look once more, so that a
                 # delivery landing in between (its own enqueue refused while we run) is not lost.
-                await self.redis.zrem(self.keys.audit, member)
+                await self.redis.zrem(self.indexes.audit.key(thread_id), member)
                 unindexed = True
         return None  # the state kept changing under us: the reconcile job comes back

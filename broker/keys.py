@@ -28,6 +28,12 @@ With the default prefix `pp`:
 - `pp:audit` (sorted set): `T/prompt_id` of resolutions whose audit item is not yet posted.
 - `pp:leases` (sorted set): thread id -> when it was left without a holder (ms): threads to be
   claimed (new, released, or freed by a restarted replica). A held thread is not in it.
+- `pp:due` (sorted set): `T/prompt_id` of open prompts with a timing -> when the next step is due.
+
+  These four are bucketed (broker/indexes.py): with `buckets` N > 1 (16 by default on a
+  cluster), index `pp:open` is the N keys `pp:open:0` .. `pp:open:<N-1>`, and a thread's members
+  live in bucket `zlib.crc32(thread id) % N`; with one bucket (the default on one server) the
+  index is the one key `pp:open`, as it always was.
 - `pp:replicas` (sorted set): replica id -> its last heartbeat (ms, server time).
 - `{pp:replicas}:records` (hash): replica id -> `<incarnation>|<deadline ms, server time>`: the
   replica records, the only thing a heartbeat writes. Its hash tag puts it in the slot of
@@ -36,20 +42,35 @@ With the default prefix `pp`:
   to find when its record expires.
 - `pp:audit:queue` (sorted set): the arq queue of audit jobs (arq's `arq:job:*` keys hold them).
 
-`pp:open`, `pp:audit`, `pp:leases` and `pp:holds:*` are discovery indexes: the per-thread records
-decide (a session names its holder and the holder's incarnation), and a sweep rebuilds the indexes
-from them (`Sessions.rebuild_leases` for the lease ones). Nothing that holds an open prompt ever
+`pp:open`, `pp:audit`, `pp:leases`, `pp:due` and `pp:holds:*` are discovery indexes: the
+per-thread records decide (a session names its holder and the holder's incarnation), and a sweep
+rebuilds the indexes from them (`Sessions.rebuild_leases` for the lease ones, the timekeeper's
+rescan for `pp:due`). Nothing that holds an open prompt ever
 has a TTL.
 """
 
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 
 from broker.errors import BadItem
 
-__all__ = ["Keys", "ThreadKeys", "check_prompt_id", "check_thread_id"]
+__all__ = [
+    "AUTO_CLUSTER_BUCKETS",
+    "MAX_BUCKETS",
+    "Keys",
+    "ThreadKeys",
+    "bucket_of",
+    "check_prompt_id",
+    "check_thread_id",
+]
+
+#: Buckets per discovery index on a Redis Cluster when the setting says 0 (auto).
+AUTO_CLUSTER_BUCKETS = 16
+#: The most buckets an index may have; the sweep looks this far for buckets a former count left.
+MAX_BUCKETS = 256
 
 _THREAD_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 _PROMPT_ID = re.compile(r"prm_[0-9A-HJKMNP-TV-Z]{26}")
@@ -72,6 +93,11 @@ def check_prompt_id(prompt_id: object, field: str = "prompt_id") -> str:
     if not isinstance(prompt_id, str) or not _PROMPT_ID.fullmatch(prompt_id):
         raise BadItem(field, f"{prompt_id!r} is not a prompt id (prm_ followed by a ULID)")
     return prompt_id
+
+
+def bucket_of(thread_id: str, buckets: int) -> int:
+    """The bucket of a thread's index members: the same in every process (crc32, never hash())."""
+    return zlib.crc32(thread_id.encode()) % buckets if buckets > 1 else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,14 +162,34 @@ class Keys:
     # script. The slot is that of arq's one fixed key, `arq:abort` (its transactions name it),
     # reached with the hash tag `{arq:abort}` (`audit_slot`).
     cluster: bool = False
+    # Buckets per discovery index (`open`, `audit`, `leases`, `due`); 0: auto, 1 on one server
+    # and `AUTO_CLUSTER_BUCKETS` on a cluster. Every process of a deployment must agree on it.
+    buckets: int = 0
 
     def __post_init__(self) -> None:
         if not _PREFIX.fullmatch(self.prefix):
             raise BadItem("key_prefix", f"{self.prefix!r} is not a usable key prefix")
+        if not 0 <= self.buckets <= MAX_BUCKETS:
+            raise BadItem("index_buckets", f"{self.buckets} is not 0 to {MAX_BUCKETS}")
+        if self.buckets == 0:
+            auto = AUTO_CLUSTER_BUCKETS if self.cluster else 1
+            object.__setattr__(self, "buckets", auto)
+
+    def bucket(self, index: str, i: int) -> str:
+        """Bucket `i` of an index named `index` (`open` ...): the index's name itself when it
+        has one bucket, else `<index>:<i>`."""
+        return index if self.buckets == 1 else f"{index}:{i}"
+
+    def stray_buckets(self, index: str) -> list[str]:
+        """The names a former bucket count may have left an index under, for the sweep."""
+        if self.buckets == 1:
+            return [f"{index}:{i}" for i in range(MAX_BUCKETS)]
+        return [index] + [f"{index}:{i}" for i in range(self.buckets, MAX_BUCKETS)]
 
     def thread(self, thread_id: str) -> ThreadKeys:
         return ThreadKeys(thread_id, f"{self.prefix}:{{{check_thread_id(thread_id)}}}:")
 
+    # The four discovery indexes' names (broker/indexes.py reads and writes them by bucket).
     @property
     def open(self) -> str:
         return f"{self.prefix}:open"

@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 from ulid import ULID
 
 from broker._scripts import Scripts
+from broker.indexes import Indexes
 from broker.keys import Keys, ThreadKeys
 
 __all__ = ["Candidates", "Fleet", "LeaseCore", "Leases", "Record"]
@@ -71,6 +72,7 @@ class LeaseCore(Protocol):
 
     redis: Redis
     keys: Keys
+    indexes: Indexes
     _scripts: Scripts
 
     def thread(self, thread_id: str) -> ThreadKeys: ...
@@ -143,14 +145,16 @@ class Leases:
         k = self._b.keys
         dead = fleet.dead()
         alive = fleet.alive()
+        leases = self._b.indexes.leases
         pipe = self._b.redis.pipeline(transaction=False)
-        pipe.zrangebyscore(k.leases, "-inf", "+inf", start=0, num=limit, withscores=True)
-        pipe.zcard(k.leases)
+        head = leases.queue_head(pipe, limit)
         for r, rec in dead.items():
             pipe.srandmember(k.holds(r, rec.incarnation), limit)
         for r, rec in fleet.records.items():
             pipe.scard(k.holds(r, rec.incarnation))
-        found, unowned, *rest = await pipe.execute()
+        replies = await pipe.execute()
+        found, unowned = leases.head_from(replies[:head], limit)
+        rest = replies[head:]
         expired = {t: int(score) for t, score in found}
         of_dead: dict[str, tuple[str, Record]] = {}
         for (r, rec), members in zip(dead.items(), rest[: len(dead)], strict=True):
@@ -257,8 +261,7 @@ class Leases:
         # Out of the to-claim index: claimed, held by a live replica (in its index), closed or
         # gone. A 'moved' one stays: its new holder may be a dead one, read again next look.
         done = [t for t, reply in zip(threads, replies, strict=True) if reply[0] != "moved"]
-        if done:
-            pipe.zrem(k.leases, *done)
+        self._b.indexes.leases.queue_remove(pipe, done)
         await pipe.execute()
         return claimed
 
@@ -271,7 +274,7 @@ class Leases:
         threads = list(held)
         for start in range(0, len(threads), 1000):
             page = threads[start : start + 1000]
-            await self._b.redis.zadd(k.leases, dict.fromkeys(page, 0))
+            await self._b.indexes.leases.add(self._b.redis, dict.fromkeys(page, 0))
             pipe = self._b.redis.pipeline(transaction=False)
             for t in page:
                 self._b._scripts.queue(
@@ -285,7 +288,7 @@ class Leases:
 
     async def release(self, thread_id: str, replica: str, epoch: int) -> bool:
         """Give one thread up now, so another replica adopts it without waiting."""
-        await self._b.redis.zadd(self._b.keys.leases, {thread_id: 0})
+        await self._b.redis.zadd(self._b.indexes.leases.key(thread_id), {thread_id: 0})
         reply = await self._call("release", [self._b.thread(thread_id).session], [replica, epoch])
         return bool(reply[0] == "released")
 
@@ -300,7 +303,7 @@ class Leases:
         while True:
             cursor, page = await self._b.redis.sscan(key, cursor, count=1000)
             if page:
-                await self._b.redis.zadd(k.leases, dict.fromkeys(page, 0), nx=True)
+                await self._b.indexes.leases.add(self._b.redis, dict.fromkeys(page, 0), nx=True)
                 moved += len(page)
             if not cursor:
                 break
@@ -310,9 +313,12 @@ class Leases:
     async def rebuild_leases(self) -> dict[str, int]:
         """Rebuild the lease indexes from the session records: every unowned thread, and every
         thread whose holder's incarnation is not the one on its record, is indexed to be
-        claimed; every held one is in its holder's set. Returns counts."""
+        claimed; every held one is in its holder's set; a member a former bucket count left in
+        another bucket is moved to its own (broker/indexes.py). Returns counts."""
         k = self._b.keys
+        leases = self._b.indexes.leases
         fleet = await self.look()
+        await leases.regroup(self._b.redis)
         counts = {"unowned": 0, "held": 0}
         async for key in self._b.redis.scan_iter(match=k.session_pattern, count=1000):
             owner, inc, status = await self._b.redis.hmget(key, ["owner", "inc", "status"])  # type: ignore[misc]
@@ -324,14 +330,14 @@ class Leases:
                 await self._b.redis.sadd(k.holds(owner, inc), thread_id)  # type: ignore[misc]
                 counts["held"] += 1
             else:
-                await self._b.redis.zadd(k.leases, {thread_id: 0}, nx=True)
+                await self._b.redis.zadd(leases.key(thread_id), {thread_id: 0}, nx=True)
                 counts["unowned"] += 1
         return counts
 
     async def holders(self) -> dict[str, int]:
         """Every thread the lease indexes know, with its holder's deadline (ms; 0: none)."""
         fleet = await self.look()
-        out = {t: 0 for t in await self._b.redis.zrange(self._b.keys.leases, 0, -1)}
+        out = dict.fromkeys(await self._b.indexes.leases.members(self._b.redis), 0)
         for r, rec in fleet.records.items():
             members = await self._b.redis.smembers(self._b.keys.holds(r, rec.incarnation))  # type: ignore[misc]
             out.update(dict.fromkeys(members, rec.until))

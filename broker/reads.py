@@ -15,6 +15,7 @@ from broker._base import BrokerBase, _reaching
 from broker._waiter import Wake
 from broker.checks import _check_count, _check_stream_id
 from broker.errors import PromptNotFound
+from broker.indexes import Indexes
 from broker.keys import check_prompt_id
 from broker.models import Item, Prompt
 
@@ -28,6 +29,8 @@ _TAKE_ALL = "local r = redis.call('LRANGE', KEYS[1], 0, -1); redis.call('DEL', K
 class Reads(BrokerBase):
     """The read side of the `Broker`: prompts, the thread's items, the inbox, the open
     prompts, and the records the waiter reads."""
+
+    indexes: Indexes  # set by `Broker.__init__`: the discovery indexes, by bucket
 
     @_reaching("reading the prompt", False)
     async def get_prompt(self, thread_id: str, prompt_id: str) -> Prompt:
@@ -101,7 +104,7 @@ class Reads(BrokerBase):
         """Every pending prompt, oldest first: what is waiting on a person."""
         self._check_open()
         limit = _check_count(limit, "limit")
-        members: list[str] = await self.redis.zrange(self.keys.open, 0, -1)
+        members = await self.indexes.open.members(self.redis)
         pairs = [self.keys.split_member(m) for m in members]
         out: list[Prompt] = []
         for chunk in range(0, len(pairs), 500):
@@ -121,7 +124,7 @@ class Reads(BrokerBase):
             if gone:
                 # Members with no record at all (a fenced ask's leftover): an index entry nobody
                 # else would ever remove. The ask pipeline adds a member only after its record.
-                await self.redis.zrem(self.keys.open, *gone)
+                await self.indexes.open.remove(self.redis, gone)
             if limit is not None and len(out) >= limit:
                 return out[:limit]
         return out

@@ -225,7 +225,7 @@ class Sessions(Leases):
         # (In one pipeline with the script, a server that had to load the script first would
         # run the script after the index write.)
         pipe = self._b.redis.pipeline(transaction=False)
-        pipe.zadd(self._b.keys.leases, {thread_id: ULID().milliseconds}, nx=True)
+        pipe.zadd(self._b.indexes.leases.key(thread_id), {thread_id: ULID().milliseconds}, nx=True)
         pipe.hgetall(tk.session)
         _, h = await pipe.execute()
         return _session(thread_id, h)
@@ -273,7 +273,7 @@ class Sessions(Leases):
                 [tk.session, tk.prompt(prompt_id)],
                 [epoch, grant.model_dump_json() if grant else "", prompt_id, token],
             )
-            pipe.zrem(self._b.keys.open, member)
+            pipe.zrem(self._b.indexes.open.key(thread_id), member)
             self._b._queue_audit_job(pipe, thread_id, prompt_id)
             try:
                 reply, *_ = await self._b._scripts.run_pipeline(self._b.redis, pipe)
@@ -287,7 +287,8 @@ class Sessions(Leases):
             return Handover("unanswered", str(reply[1]))
         if reply[0] == "delivered":
             return Handover("already", str(reply[1]))
-        await self._b.redis.zadd(self._b.keys.audit, {member: int(reply[1])}, nx=True)
+        audit = self._b.indexes.audit.key(thread_id)
+        await self._b.redis.zadd(audit, {member: int(reply[1])}, nx=True)
         return Handover("handed", str(reply[1]))
 
     async def deliver(self, thread_id: str, prompt_id: str, epoch: int, token: str) -> Handover:
@@ -398,4 +399,4 @@ class Sessions(Leases):
         if reply[0] == "missing":
             raise ThreadNotFound(thread_id)
         await self._b.cancel(thread_id, reason)
-        await self._b.redis.zrem(self._b.keys.leases, thread_id)
+        await self._b.redis.zrem(self._b.indexes.leases.key(thread_id), thread_id)

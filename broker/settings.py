@@ -43,6 +43,13 @@ class Settings(BaseModel):
         0.5, gt=0, description="seconds an answer's post waits for those replicas' confirmation"
     )
     key_prefix: str = Field("pp", description="the first part of every key and channel")
+    index_buckets: int = Field(
+        0,
+        ge=0,
+        le=256,
+        description="keys each discovery index (open, audit, leases, due) is split into, by "
+        "thread (0: auto, 1 on one server and 16 on a Redis Cluster)",
+    )
     identity: str = Field(
         "prompt-broker",
         description="the author of the broker's own items; items by it are never answers",

@@ -179,7 +179,8 @@ class Timings(Reads):
         target = prompt_id or await self.redis.get(tk.active)
         if target:
             target = target.decode() if isinstance(target, bytes) else target
-            await self.redis.zadd(self.keys.due, {self.keys.member(thread_id, target): 0})
+            due = self.indexes.due.key(thread_id)
+            await self.redis.zadd(due, {self.keys.member(thread_id, target): 0})
 
     @_reaching("reading a timing", False)
     async def get_timing(self, thread_id: str, prompt_id: str | None = None) -> Timing | None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import contextlib
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -151,29 +152,30 @@ class Api:
     ) -> tuple[list[Prompt], str | None]:
         """One page of the open index, oldest first, from just after `after` ([ms, member]).
 
-        The index is read directly (a read: only the Broker writes it); each record decides.
-        A page looks at no more than `_SCAN_BUDGET` entries, so a token that sees few threads
-        gets short pages with a cursor rather than one slow answer.
+        The index is read directly (a read: only the Broker writes it), its buckets merged in
+        score order (broker/indexes.py); each record decides. A page looks at no more than
+        `_SCAN_BUDGET` entries, so a token that sees few threads gets short pages with a cursor
+        rather than one slow answer.
         """
         start = after[0] if after else "-inf"
         found: list[Prompt] = []
         offset = 0
         size = limit + 1  # most entries are pending: read about one page, then more in bulk
-        while True:
-            batch = await self.broker.redis.zrangebyscore(
-                self.broker.keys.open, start, "+inf", start=offset, num=size, withscores=True
-            )
-            offset += len(batch)
-            for member, score, prompt in await self._pending(caller, batch, after):
-                found.append(prompt)
-                if len(found) == limit:
-                    return found, inputs.encode_cursor([score, member])
-            if len(batch) < size:
-                return found, None
-            if offset >= _SCAN_BUDGET:
-                member, score = batch[-1]
-                return found, inputs.encode_cursor([int(score), member])
-            size = 200
+        index = self.broker.indexes.open
+        async with contextlib.aclosing(index.walk(self.broker.redis, start, batch=size)) as walk:
+            while True:
+                batch = await _take(walk, size)
+                offset += len(batch)
+                for member, score, prompt in await self._pending(caller, batch, after):
+                    found.append(prompt)
+                    if len(found) == limit:
+                        return found, inputs.encode_cursor([score, member])
+                if len(batch) < size:
+                    return found, None
+                if offset >= _SCAN_BUDGET:
+                    last, at = batch[-1]
+                    return found, inputs.encode_cursor([int(at), last])
+                size = 200
 
     async def _pending(
         self, caller: Caller, batch: list[tuple[str, float]], after: list[Any] | None
@@ -428,3 +430,14 @@ class Api:
             media_type="text/event-stream",
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
+
+
+async def _take(entries: AsyncIterator[tuple[str, float]], n: int) -> list[tuple[str, float]]:
+    """The next `n` entries of a walk (fewer at its end)."""
+    out: list[tuple[str, float]] = []
+    while len(out) < n:
+        try:
+            out.append(await anext(entries))
+        except StopAsyncIteration:
+            break
+    return out

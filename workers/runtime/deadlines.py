@@ -49,13 +49,13 @@ async def expire_due(broker: Broker, deadline_s: float) -> int:
     cancelled = 0
     start = 0
     while True:
-        members = await broker.redis.zrangebyscore(
-            broker.keys.open, "-inf", limit + SKEW_MS, start=start, num=PAGE
+        members = await broker.indexes.open.page(
+            broker.redis, "-inf", limit + SKEW_MS, offset=start, count=PAGE
         )
         if not members:
             return cancelled
         pipe = broker.redis.pipeline(transaction=False)
-        pairs = [Keys.split_member(m if isinstance(m, str) else m.decode()) for m in members]
+        pairs = [Keys.split_member(m) for m, _ in members]
         for thread_id, prompt_id in pairs:
             pipe.hmget(broker.thread(thread_id).prompt(prompt_id), ["state", "created"])
         for (thread_id, prompt_id), (state, created) in zip(

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import orjson
 from redis.asyncio import Redis
 
+from broker.indexes import Indexes
 from broker.keys import Keys
 
 __all__ = ["FleetStatus", "ReplicaStatus", "fleet_status", "render", "replica_alive"]
@@ -113,13 +114,12 @@ async def _replicas(redis: Redis, keys: Keys, now: int, ttl_ms: int) -> dict[str
 
 async def _thread_ids(redis: Redis, keys: Keys, replicas: dict[str, _Replica]) -> list[str]:
     """Every thread: those to be claimed (the lease index) and those each incarnation holds."""
+    found = set(await Indexes.of(keys).leases.members(redis))
     pipe = redis.pipeline(transaction=False)
-    pipe.zrange(keys.leases, 0, -1)
     holds = getattr(keys, "holds", None)
     for replica, r in replicas.items():
         if holds is not None and r.incarnation:
             pipe.smembers(holds(replica, r.incarnation))
-    found: set[str] = set()
     for members in await pipe.execute():
         found.update(_text(m) for m in members)
     return sorted(found)
@@ -202,12 +202,9 @@ async def fleet_status(redis: Redis, keys: Keys, ttl_ms: int) -> FleetStatus:
     ]
     threads = await _thread_ids(redis, keys, replicas)
     unheld = _tally(status, threads, await _sessions(redis, keys, threads))
-    pipe = redis.pipeline(transaction=False)
-    pipe.zrange(keys.open, 0, -1, withscores=True)
-    pipe.zcard(keys.audit)
-    pipe.zrange(keys.audit, 0, 0, withscores=True)
-    opened, backlog, oldest_audit = await pipe.execute()
-    created = {_text(m): float(score) for m, score in opened}
+    indexes = Indexes.of(keys)
+    created = dict(await indexes.open.page(redis))
+    oldest_audit, backlog = await indexes.audit.head(redis, 1)
     pending = await _pending(redis, keys, list(created))
     status.open_prompts = len(pending)
     status.open_by_kind = dict(sorted(Counter(kind for _, kind in pending).items()))
@@ -221,7 +218,7 @@ async def fleet_status(redis: Redis, keys: Keys, ttl_ms: int) -> FleetStatus:
             break
     status.audit_backlog = int(backlog)
     if oldest_audit:
-        status.audit_lag_s = max(0.0, (now - float(oldest_audit[0][1])) / 1000)
+        status.audit_lag_s = max(0.0, (now - oldest_audit[0][1]) / 1000)
     return status
 
 

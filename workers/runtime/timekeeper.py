@@ -44,10 +44,6 @@ RESCAN = 60.0
 PAGE = 200
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 class Timekeeper:
     def __init__(self, broker: Broker, interval: float = 0.25, rescan: float = RESCAN) -> None:
         self.broker = broker
@@ -76,8 +72,7 @@ class Timekeeper:
     async def _schedule(self, members: list[str]) -> int:
         """Add to the due index (to be looked at now) those with a timing not there yet."""
         timed = await self._with_timing(members)
-        if timed:
-            await self.broker.redis.zadd(self._keys.due, dict.fromkeys(timed, 0), nx=True)
+        await self.broker.indexes.due.add(self.broker.redis, dict.fromkeys(timed, 0), nx=True)
         return len(timed)
 
     async def follow(self) -> int:
@@ -98,23 +93,26 @@ class Timekeeper:
             self._after = batch[-1].id
 
     async def scan(self) -> int:
-        """Schedule every open prompt with a timing (missed events); returns how many."""
+        """Schedule every open prompt with a timing (missed events); returns how many. The due
+        index's members a former bucket count left in another bucket move to their own."""
         self._scanned = time.monotonic()
-        found, start = 0, 0
-        while True:
-            page = await self.broker.redis.zrange(self._keys.open, start, start + 999)
-            found += await self._schedule([_text(m) for m in page])
-            if len(page) < 1000:
-                return found
-            start += 1000
+        await self.broker.indexes.due.regroup(self.broker.redis)
+        found = 0
+        batch: list[str] = []
+        async for _, member, _ in self.broker.indexes.open.scan(self.broker.redis):
+            batch.append(member)
+            if len(batch) >= 1000:
+                found += await self._schedule(batch)
+                batch = []
+        return found + await self._schedule(batch)
 
     async def take_due(self) -> int:
         """Take the steps of every prompt due now; returns how many prompts were looked at."""
-        redis, due = self.broker.redis, self._keys.due
+        redis, due = self.broker.redis, self.broker.indexes.due
         now = await server_ms(redis)
         looked = 0
         while True:
-            members = [_text(m) for m in await redis.zrangebyscore(due, "-inf", now, 0, PAGE)]
+            members = [m for m, _ in await due.page(redis, "-inf", now, 0, PAGE)]
             # A page at once: a wave of prompts due together (a thread batch, a restart's catch
             # up) is not served one round trip after another.
             await asyncio.gather(*(self._step(m) for m in members))
@@ -123,8 +121,9 @@ class Timekeeper:
                 return looked
 
     async def _step(self, member: str) -> None:
-        redis, due = self.broker.redis, self._keys.due
+        redis = self.broker.redis
         thread_id, prompt_id = Keys.split_member(member)
+        due = self.broker.indexes.due.key(thread_id)
         try:
             step = await self.broker.step_timing(thread_id, prompt_id)
         except BrokerError as e:
@@ -184,11 +183,12 @@ class Timekeeper:
             logger.warning("timing.expire_failed", extra={"prompt_id": prompt_id, "error": repr(e)})
             # Looked at again in a second (not at once: this look's page would take it again).
             member = Keys.member(thread_id, prompt_id)
-            await self.broker.redis.zadd(
-                self._keys.due, {member: await server_ms(self.broker.redis) + 1000}
-            )
+            due = self.broker.indexes.due.key(thread_id)
+            await self.broker.redis.zadd(due, {member: await server_ms(self.broker.redis) + 1000})
             return
-        await self.broker.redis.zrem(self._keys.due, Keys.member(thread_id, prompt_id))
+        await self.broker.redis.zrem(
+            self.broker.indexes.due.key(thread_id), Keys.member(thread_id, prompt_id)
+        )
         if done is not None:
             logger.info(
                 "prompt.expired",
