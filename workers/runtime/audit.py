@@ -40,6 +40,7 @@ from ulid import ULID
 
 from broker import Broker, Keys, Settings
 from broker.client import AUDIT_JOB
+from broker.indexes import Index
 
 logger = logging.getLogger("workers.runtime.audit")
 
@@ -99,8 +100,7 @@ async def reconcile(ctx: dict[str, Any]) -> dict[str, int]:
         leases = await broker.sessions.rebuild_leases()
         counts |= {f"leases_{name}": n for name, n in leases.items()}
     before = ULID().milliseconds - int(broker.settings.audit_grace * 1000)
-    members = await broker.redis.zrangebyscore(broker.keys.audit, "-inf", before)
-    for member in members:
+    for member, _ in await broker.indexes.audit.page(broker.redis, "-inf", before):
         thread_id, prompt_id = broker.keys.split_member(member)
         counts["requeued"] += await broker.enqueue_audit(thread_id, prompt_id)
     if counts["requeued"]:
@@ -117,7 +117,11 @@ class _Fix:
 
 
 async def rebuild_indexes(broker: Broker) -> dict[str, int]:
-    """Bring `open` and `audit` back in line with the prompt records (which decide)."""
+    """Bring `open` and `audit` back in line with the prompt records (which decide), each
+    member in its own bucket (broker/indexes.py)."""
+    indexes = (broker.indexes.open, broker.indexes.audit)
+    # First into their own buckets (a former bucket count's members): the records then decide.
+    moved = sum([await index.regroup(broker.redis) for index in indexes])
     scanned = 0
     fix = _Fix({}, [], {}, [])
     async for batch in _prompt_batches(broker):
@@ -128,33 +132,30 @@ async def rebuild_indexes(broker: Broker) -> dict[str, int]:
             scanned += 1
             _classify(broker.keys.member(thread_id, prompt_id), row, fix)
     pipe = broker.redis.pipeline(transaction=False)
-    if fix.open_add:
-        pipe.zadd(broker.keys.open, fix.open_add, nx=True)
-    if fix.open_rem:
-        pipe.zrem(broker.keys.open, *fix.open_rem)
-    if fix.audit_add:
-        pipe.zadd(broker.keys.audit, fix.audit_add, nx=True)
-    if fix.audit_rem:
-        pipe.zrem(broker.keys.audit, *fix.audit_rem)
+    broker.indexes.open.queue_add(pipe, fix.open_add, nx=True)
+    broker.indexes.open.queue_remove(pipe, fix.open_rem)
+    broker.indexes.audit.queue_add(pipe, fix.audit_add, nx=True)
+    broker.indexes.audit.queue_remove(pipe, fix.audit_rem)
     await pipe.execute()
     orphans = 0
-    for index in (broker.keys.open, broker.keys.audit):
+    for index in indexes:
         orphans += await _drop_orphans(broker, index)
     return {
         "scanned": scanned,
         "open": len(fix.open_add),
         "unaudited": len(fix.audit_add),
         "orphans": orphans,
+        "moved": moved,
     }
 
 
-async def _drop_orphans(broker: Broker, index: str) -> int:
+async def _drop_orphans(broker: Broker, index: Index) -> int:
     """Drop the members of an index whose prompt record does not exist (expired, or an ask cut
     off between its index write and its record). A record that lands later is indexed again by
     the next sweep, so a member dropped too early is never lost for good."""
     dropped = 0
     members: list[str] = []
-    async for member, _ in broker.redis.zscan_iter(index, count=1000):
+    async for _, member, _ in index.scan(broker.redis):
         members.append(member)
         if len(members) >= 500:
             dropped += await _drop_unrecorded(broker, index, members)
@@ -164,14 +165,13 @@ async def _drop_orphans(broker: Broker, index: str) -> int:
     return dropped
 
 
-async def _drop_unrecorded(broker: Broker, index: str, members: list[str]) -> int:
+async def _drop_unrecorded(broker: Broker, index: Index, members: list[str]) -> int:
     pipe = broker.redis.pipeline(transaction=False)
     for member in members:
         thread_id, prompt_id = broker.keys.split_member(member)
         pipe.exists(broker.thread(thread_id).prompt(prompt_id))
     gone = [m for m, found in zip(members, await pipe.execute(), strict=True) if not found]
-    if gone:
-        await broker.redis.zrem(index, *gone)
+    await index.remove(broker.redis, gone)
     return len(gone)
 
 
