@@ -19,7 +19,6 @@ from typing import Any, cast
 import orjson
 from redis import exceptions as redis_errors
 from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
 
 from broker import (
     BadItem,
@@ -29,6 +28,7 @@ from broker import (
     Settings,
     ThreadNotFound,
 )
+from broker._cluster import cluster_client
 from broker.cli_render import (
     _age,
     _columns,
@@ -72,7 +72,7 @@ async def _connect(settings: Settings) -> AsyncIterator[Broker]:
     """
     try:
         if settings.redis_cluster:  # one node of a Redis Cluster: its cluster client
-            nodes = RedisCluster.from_url(
+            nodes = cluster_client(
                 settings.redis_url, decode_responses=True, socket_connect_timeout=CONNECT_TIMEOUT
             )
             client = cast(Redis, nodes)  # as in Broker.from_url: it answers every command

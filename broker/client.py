@@ -26,6 +26,7 @@ from ulid import ULID
 
 from broker import _codec, events
 from broker._base import _new_id, _reaching
+from broker._cluster import cluster_client
 from broker._scripts import Scripts
 from broker._sharded import ShardedBells
 from broker._waiter import Waiter
@@ -196,7 +197,7 @@ class Broker(Routing, Delivery, Timings):
         settings = settings or Settings.from_env()
         url = url or settings.redis_url
         if cluster if cluster is not None else settings.redis_cluster:
-            nodes = RedisCluster.from_url(url, decode_responses=True, **redis_kwargs)
+            nodes = cluster_client(url, decode_responses=True, **redis_kwargs)
             # Typed as Redis: the cluster client answers every command the Broker sends.
             return cls(cast(Redis, nodes), settings, owns_client=True)
         client = _fast_packing(Redis.from_url(url, decode_responses=True, **redis_kwargs))

@@ -31,7 +31,9 @@ class Settings(BaseModel):
         "redis://127.0.0.1:6379/0", description="the Redis server every replica shares"
     )
     redis_cluster: bool = Field(
-        False, description="redis_url names a node of a Redis Cluster (experimental)"
+        False,
+        description="redis_url names a node of a Redis Cluster, or several (h1:p1,h2:p2; "
+        "experimental)",
     )
     wait_replicas: int = Field(
         0,

@@ -39,6 +39,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ulid import ULID
 
 from broker import Broker, Keys, Settings
+from broker._cluster import sync_cluster_client
 from broker.client import AUDIT_JOB
 from broker.indexes import Index
 
@@ -233,7 +234,7 @@ def _queue_url(settings: Settings, queue: str) -> str:
     if not settings.redis_cluster:
         return settings.redis_url
     others = [redis.cluster.ClusterNode(h, p) for h, p in _known_nodes]  # type: ignore[no-untyped-call]
-    nodes = redis.cluster.RedisCluster.from_url(
+    nodes = sync_cluster_client(
         settings.redis_url, startup_nodes=others, socket_connect_timeout=2, socket_timeout=2
     )
     try:

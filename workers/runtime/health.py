@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, cast
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from broker import BadItem, Broker, Settings
+from broker._cluster import cluster_client
 from broker.keys import Keys
 from workers.runtime import metrics
 from workers.runtime.deadlines import DEADLINE_ENV, expiring
@@ -171,13 +171,11 @@ async def serve_audit_ops(settings: Settings, port: int | None = None) -> AsyncI
             yield 0
         return
     if settings.redis_cluster:  # a node of a Redis Cluster: its cluster client, as Broker.from_url
-        nodes = RedisCluster.from_url(
-            settings.redis_url, decode_responses=True, socket_connect_timeout=5
-        )
+        nodes = cluster_client(settings.redis_url, decode_responses=True, socket_connect_timeout=5)
         redis = cast(Redis, nodes)
     else:
         redis = Redis.from_url(settings.redis_url, decode_responses=True, socket_connect_timeout=5)
-    keys = Keys(settings.key_prefix, cluster=settings.redis_cluster)
+    keys = Keys(settings.key_prefix, cluster=settings.redis_cluster, buckets=settings.index_buckets)
     interval = _env_number(SAMPLE_ENV, 15.0)
     sampler = metrics.FleetSampler(redis, keys, int(settings.lease_ttl * 1000), interval)
 
