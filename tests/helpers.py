@@ -140,3 +140,55 @@ def process(args: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[b
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+# -- the discovery indexes, whatever their bucket count -----------------------------------------
+# `open`, `audit`, `leases` and `due` are one sorted set each on one server and N buckets on a
+# cluster (broker/indexes.py). Tests that look into or damage an index go through these, so the
+# same test reads the right keys on both.
+
+
+def _index(broker: Any, name: str) -> Any:
+    return getattr(broker.indexes, name)
+
+
+def _str(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+async def index_entries(broker: Any, name: str) -> list[tuple[str, float]]:
+    """Every (member, score) of index `name` over all its buckets, as one ZRANGE WITHSCORES
+    of one sorted set would give them (by score, ties by member)."""
+    found: list[tuple[str, float]] = []
+    for key in _index(broker, name).all_keys():
+        found += [(_str(m), s) for m, s in await broker.redis.zrange(key, 0, -1, withscores=True)]
+    return sorted(found, key=lambda e: (e[1], e[0]))
+
+
+async def index_members(broker: Any, name: str) -> list[str]:
+    """The members of index `name` in score order (ZRANGE 0 -1 of one sorted set)."""
+    return [member for member, _ in await index_entries(broker, name)]
+
+
+async def index_count(broker: Any, name: str) -> int:
+    return len(await index_entries(broker, name))
+
+
+async def index_score(broker: Any, name: str, member: str) -> float | None:
+    """`member`'s score in index `name` (in the bucket it belongs in), or None."""
+    score: float | None = await broker.redis.zscore(_index(broker, name).key_of(member), member)
+    return score
+
+
+async def index_add(broker: Any, name: str, scores: dict[str, float]) -> None:
+    """ZADD each member to the bucket of index `name` it belongs in."""
+    index = _index(broker, name)
+    for member, score in scores.items():
+        await broker.redis.zadd(index.key_of(member), {member: score})
+
+
+async def drop_indexes(broker: Any, *names: str) -> None:
+    """Delete every bucket of the indexes `names` (as a failover that lost them would)."""
+    for name in names:
+        for key in _index(broker, name).all_keys():
+            await broker.redis.delete(key)

@@ -18,6 +18,7 @@ from broker import Broker
 from broker.answers import MAX_DIGITS, map_text, prepare
 from broker.models import Answer, Kind, Option, Prompt, Question
 from tests.conftest import BrokerFactory
+from tests.helpers import drop_indexes, index_add, index_entries, index_score
 from workers.agents import grants, policy
 from workers.agents.harness import GateVerdict
 from workers.runtime import audit
@@ -156,7 +157,7 @@ async def test_reconcile_requeues_only_members_past_the_grace(make_broker: Broke
     broker = await make_broker(audit_grace=1000.0)
     now = ULID().milliseconds
     old, young = "a/prm_01M8RJEMZ5NYSK2HZD2KRBPC1M", "b/prm_01M8RJEV25K476KJ4FB2CMSEME"
-    await broker.redis.zadd(broker.keys.audit, {old: now - 1_000_500, young: now - 999_500})
+    await index_add(broker, "audit", {old: now - 1_000_500, young: now - 999_500})
     counts = await audit.reconcile({"broker": broker, "runs": 1})  # run 2: no rebuild
     assert counts == {"requeued": 1}
 
@@ -172,11 +173,11 @@ async def test_rebuild_adds_missing_members_but_never_moves_a_present_one(broker
     await broker.cancel("b", "stop")
     kept_open = broker.keys.member("a", pending.prompt_id)
     kept_audit = broker.keys.member("b", cancelled.prompt_id)
-    await broker.redis.zadd(broker.keys.open, {kept_open: 42})
-    await broker.redis.zadd(broker.keys.audit, {kept_audit: 43})
+    await index_add(broker, "open", {kept_open: 42})
+    await index_add(broker, "audit", {kept_audit: 43})
     await audit.rebuild_indexes(broker)
-    assert await broker.redis.zscore(broker.keys.open, kept_open) == 42
-    assert await broker.redis.zscore(broker.keys.audit, kept_audit) == 43
+    assert await index_score(broker, "open", kept_open) == 42
+    assert await index_score(broker, "audit", kept_audit) == 43
 
 
 async def test_rebuild_scores_a_member_by_its_records_creation_time(broker: Broker) -> None:
@@ -189,9 +190,9 @@ async def test_rebuild_scores_a_member_by_its_records_creation_time(broker: Brok
     await redis.hdel(broker.thread("b").prompt(undated.prompt_id), "created")
     created = await redis.hget(broker.thread("a").prompt(dated.prompt_id), "created")
     assert created is not None and float(created) > 0
-    await broker.redis.delete(broker.keys.open)
+    await drop_indexes(broker, "open")
     await audit.rebuild_indexes(broker)
-    assert await broker.redis.zrange(broker.keys.open, 0, -1, withscores=True) == [
+    assert await index_entries(broker, "open") == [
         (broker.keys.member("b", undated.prompt_id), 0.0),
         (broker.keys.member("a", dated.prompt_id), float(created)),
     ]

@@ -13,7 +13,7 @@ from broker import Broker, Fenced, Item
 from tests.agents.test_policy import bash, guard, rule
 from tests.broker.test_waiter import NEVER
 from tests.conftest import BrokerFactory
-from tests.helpers import text, truthy, until
+from tests.helpers import drop_indexes, index_add, index_members, index_score, text, truthy, until
 from tests.runtime.test_crash import INTERRUPTED
 from tests.runtime.test_delivery_once import EPOCH, Thread, asked
 from tests.runtime.test_replica import ASK, Fleet, active, start_thread
@@ -50,13 +50,13 @@ async def test_rebuild_indexes_only_what_may_be_audited(broker: Broker) -> None:
     assert await broker.post_resolution("e", posted.prompt_id) is not None
 
     # Wrong entries on purpose, then no indexes at all: the records decide.
-    await broker.redis.delete(broker.keys.open, broker.keys.audit)
-    await broker.redis.zadd(broker.keys.audit, {f"e/{posted.prompt_id}": 1})
-    await broker.redis.zadd(broker.keys.open, {f"b/{undelivered.prompt_id}": 1})
+    await drop_indexes(broker, "open", "audit")
+    await index_add(broker, "audit", {f"e/{posted.prompt_id}": 1})
+    await index_add(broker, "open", {f"b/{undelivered.prompt_id}": 1})
     counts = await audit.rebuild_indexes(broker)
     assert counts["scanned"] == 5
-    assert await broker.redis.zrange(broker.keys.open, 0, -1) == [f"a/{pending.prompt_id}"]
-    assert sorted(await broker.redis.zrange(broker.keys.audit, 0, -1)) == sorted(
+    assert await index_members(broker, "open") == [f"a/{pending.prompt_id}"]
+    assert sorted(await index_members(broker, "audit")) == sorted(
         [f"c/{delivered.prompt_id}", f"d/{cancelled.prompt_id}"]
     )
 
@@ -142,9 +142,9 @@ async def test_a_fenced_wait_hands_nothing_over(th: Thread) -> None:
 async def test_a_posted_resolution_leaves_the_audit_index(th: Thread) -> None:
     await th.b.deliver("t1", th.pid)
     member = th.b.keys.member("t1", th.pid)
-    assert await th.b.redis.zscore(th.b.keys.audit, member) is not None
+    assert await index_score(th.b, "audit", member) is not None
     assert await th.b.post_resolution("t1", th.pid) is not None
-    assert await th.b.redis.zscore(th.b.keys.audit, member) is None
+    assert await index_score(th.b, "audit", member) is None
 
 
 # -- broker/sessions.py ------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from broker import (
     StaleAnswer,
 )
 from tests.conftest import BrokerFactory, delete_prefix
-from tests.helpers import began_waiting, text
+from tests.helpers import began_waiting, index_add, index_score, text
 
 APPROVAL = {"question": "Run `make deploy`?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
 TARGET = {
@@ -610,10 +610,10 @@ async def test_open_prompts_drops_index_members_with_no_record(broker: Broker) -
     """A member naming a prompt that never existed (a fenced ask's leftover) is dropped."""
     p = await broker.ask("t", "approval", [APPROVAL])
     ghost = broker.keys.member("u", "prm_01M8RJ7DTBVQ04A2EVKNY8WKGH")
-    await broker.redis.zadd(broker.keys.open, {ghost: 1})
+    await index_add(broker, "open", {ghost: 1})
     assert [o.prompt_id for o in await broker.open_prompts()] == [p.prompt_id]
-    assert await broker.redis.zscore(broker.keys.open, ghost) is None
-    assert await broker.redis.zscore(broker.keys.open, broker.keys.member("t", p.prompt_id))
+    assert await index_score(broker, "open", ghost) is None
+    assert await index_score(broker, "open", broker.keys.member("t", p.prompt_id))
 
 
 async def test_prompt_events_are_written(broker: Broker) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from broker import Broker
 from tests.conftest import BrokerFactory
-from tests.helpers import text
+from tests.helpers import index_members, text
 from workers.runtime.agent_store import AgentStore, decode_element, encode_batch
 
 TEXT = [{"question": "Name?"}]
@@ -74,8 +74,8 @@ async def test_closed_thread_leaves_no_key_behind(make_broker: BrokerFactory) ->
     await asyncio.sleep(1.3)
     assert await thread_keys(b, "t") == {}
     # Its index entries went with its prompts: the open and audit indexes name nothing of it.
-    assert await b.redis.zrange(b.keys.open, 0, -1) == []
-    assert await b.redis.zrange(b.keys.audit, 0, -1) == []
+    assert await index_members(b, "open") == []
+    assert await index_members(b, "audit") == []
 
 
 async def test_closed_ttl_zero_keeps_a_closed_thread(make_broker: BrokerFactory) -> None:

@@ -19,6 +19,7 @@ from broker import (
     parse_duration,
 )
 from broker.timing import MAX_REMINDERS
+from tests.helpers import index_score
 
 Q = {"question": "Target?", "options": [{"label": "staging"}, {"label": "production"}]}
 
@@ -109,7 +110,7 @@ async def test_set_read_and_clear(broker: Broker) -> None:
     await broker.set_timing("t", None)
     assert await broker.get_timing("t") is None
     # Setting one names the prompt it applies to in the due index, for a timekeeper to look at.
-    assert await broker.redis.zscore(broker.keys.due, f"t/{p.prompt_id}") is not None
+    assert await index_score(broker, "due", f"t/{p.prompt_id}") is not None
 
 
 async def test_each_step_is_taken_once_on_server_time(broker: Broker) -> None:

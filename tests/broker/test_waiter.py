@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from broker import Broker, BrokerUnavailable, Settings
 from tests.conftest import BrokerFactory, RedisServer
@@ -48,6 +49,12 @@ async def no_loop_errors(seen: list[dict[str, Any]]) -> None:
 
 
 async def numsub(client: Redis, channel: str) -> int:
+    """Subscribers of `channel`; on a cluster (sharded bells) those on the node owning it."""
+    if isinstance(client, RedisCluster):
+        await client.initialize()  # the slot map (a no-op once made)
+        node = client.get_node_from_key(channel)
+        [(_, n)] = await client.execute_command("PUBSUB SHARDNUMSUB", channel, target_nodes=node)
+        return int(n)
     [(_, n)] = await client.pubsub_numsub(channel)
     return int(n)
 
@@ -85,6 +92,7 @@ async def test_a_channel_made_again_never_reuses_a_confirmation(
     surface = await make_broker()
     p = await agent.ask("t", "approval", [APPROVAL])
     channel = agent.thread("t").wake
+    await until(lambda: _is(numsub(surface.redis, channel), 1), "the subscription")
     agent._waiter._channels[channel].idle_since -= 2 * NEVER  # idle for long enough
     await agent._waiter._sweep()  # drops it
     assert channel not in agent._waiter._channels

@@ -10,11 +10,12 @@ from typing import Any
 import arq.worker
 import pytest
 from arq.connections import ArqRedis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import WatchError
 
 from broker import Broker, PromptCancelled, Settings
 from tests.conftest import BrokerFactory, ClientFactory, delete_prefix
-from tests.helpers import text, until
+from tests.helpers import drop_indexes, index_add, index_count, index_members, text, until
 from workers.runtime import audit
 
 APPROVAL = {"question": "Run `rm -rf build`?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
@@ -40,7 +41,13 @@ def run_worker(make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch) -> R
     async def run(broker: Broker) -> None:
         kwargs = audit.worker_settings(broker.settings) | {"handle_signals": False}
         del kwargs["redis_settings"], kwargs["on_startup"], kwargs["on_shutdown"]
-        pool = ArqRedis(connection_pool=make_client(decode_responses=False).connection_pool)
+        client: Any = make_client(decode_responses=False)
+        if isinstance(client, RedisCluster):  # arq works on the primary owning the queue's slot
+            await client.initialize()
+            node = client.get_node_from_key(broker.keys.audit_queue)
+            pool = ArqRedis(host=node.host, port=node.port)
+        else:
+            pool = ArqRedis(connection_pool=client.connection_pool)
         worker = audit.AuditWorker(**kwargs, redis_pool=pool, burst=True)
         worker.ctx["broker"] = broker  # the job uses this test's broker
         try:
@@ -71,7 +78,7 @@ async def test_answer_audited_once_after_delivery(broker: Broker, run_worker: Ru
     }
     assert res.text == "✓ Answered: Approve"
     assert res.author == broker.identity
-    assert await broker.redis.zcard(broker.keys.audit) == 0
+    assert await index_count(broker, "audit") == 0
 
 
 async def test_undelivered_answer_never_posted(broker: Broker, run_worker: RunWorker) -> None:
@@ -129,11 +136,11 @@ async def test_rebuild_restores_lost_indexes(broker: Broker, run_worker: RunWork
     open_p = await broker.ask("a", "approval", [APPROVAL])
     gone = await broker.ask("b", "approval", [APPROVAL])
     await broker.cancel("b", "stop")
-    await broker.redis.delete(broker.keys.open, broker.keys.audit)
+    await drop_indexes(broker, "open", "audit")
     counts = await audit.rebuild_indexes(broker)
     assert counts["scanned"] == 2
     assert [p.prompt_id for p in await broker.open_prompts()] == [open_p.prompt_id]
-    assert await broker.redis.zrange(broker.keys.audit, 0, -1) == [f"b/{gone.prompt_id}"]
+    assert await index_members(broker, "audit") == [f"b/{gone.prompt_id}"]
     await audit.reconcile({"broker": broker, "runs": 1})
     await run_worker(broker)
     assert len(resolutions(await broker.items("b"), gone.prompt_id)) == 1
@@ -143,24 +150,24 @@ async def test_the_full_sweep_rebuilds_the_lease_indexes(broker: Broker) -> None
     """A thread whose lease index entry was lost (a failover) is found again by the sweep the
     reconcile job runs every tenth time, so a replica can claim it."""
     await broker.sessions.create("lost", "scripted", "approval", {})
-    await broker.redis.delete(broker.keys.leases)
+    await drop_indexes(broker, "leases")
     counts = await audit.reconcile({"broker": broker, "runs": 1})  # not a full sweep
-    assert "leases_unowned" not in counts and await broker.redis.zcard(broker.keys.leases) == 0
+    assert "leases_unowned" not in counts and await index_count(broker, "leases") == 0
     counts = await audit.reconcile({"broker": broker, "runs": 0})  # the next one is
     assert counts["leases_unowned"] == 1
-    assert await broker.redis.zrange(broker.keys.leases, 0, -1) in (["lost"], [b"lost"])
+    assert await index_members(broker, "leases") in (["lost"], [b"lost"])
 
 
 async def test_rebuild_drops_index_entries_with_no_record(broker: Broker) -> None:
     """Members of `open` and `audit` whose prompt record is gone are dropped; the rest stay."""
     kept = await broker.ask("a", "approval", [APPROVAL])
     ghost = "a/prm_01M8RJEMZ5NYSK2HZD2KRBPC1M"
-    await broker.redis.zadd(broker.keys.open, {ghost: 1})
-    await broker.redis.zadd(broker.keys.audit, {ghost: 1, "z/prm_01M8RJEV25K476KJ4FB2CMSEME": 2})
+    await index_add(broker, "open", {ghost: 1})
+    await index_add(broker, "audit", {ghost: 1, "z/prm_01M8RJEV25K476KJ4FB2CMSEME": 2})
     counts = await audit.rebuild_indexes(broker)
     assert counts["orphans"] == 3
-    assert await broker.redis.zrange(broker.keys.open, 0, -1) == [f"a/{kept.prompt_id}"]
-    assert await broker.redis.zrange(broker.keys.audit, 0, -1) == []
+    assert await index_members(broker, "open") == [f"a/{kept.prompt_id}"]
+    assert await index_members(broker, "audit") == []
 
 
 @pytest.mark.real_redis

@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 
 from broker import Broker, Fenced, Settings
 from tests.conftest import RedisServer
-from tests.helpers import truthy, until
+from tests.helpers import drop_indexes, index_members, truthy, until
 from workers.agents.harness import approval_question
 from workers.agents.scripted import ScriptedHarness
 from workers.runtime.replica import Replica
@@ -165,11 +165,12 @@ async def test_the_lease_indexes_are_rebuilt_from_the_records(broker: Broker) ->
     for t in ("t1", "t2", "t3"):
         await broker.sessions.create(t, "scripted", "approval", {})
     await broker.sessions.claim_many(["t1", "t2"], "ra", ra)
-    await broker.redis.delete(broker.keys.leases, broker.keys.holds("ra", ra))
+    await drop_indexes(broker, "leases")
+    await broker.redis.delete(broker.keys.holds("ra", ra))
     counts = await broker.sessions.rebuild_leases()
     assert counts == {"held": 2, "unowned": 1}
     assert await broker.redis.smembers(broker.keys.holds("ra", ra)) == {"t1", "t2"}  # type: ignore[misc]
-    assert await broker.redis.zrange(broker.keys.leases, 0, -1) == ["t3"]
+    assert await index_members(broker, "leases") == ["t3"]
 
 
 # -- replicas --------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker import Broker
-from tests.helpers import text, until
+from tests.helpers import index_count, text, until
 from workers.runtime import metrics
 from workers.runtime.health import probe, serve_ops
 from workers.runtime.metrics import FleetSampler
@@ -94,7 +94,7 @@ async def test_fleet_metrics_follow_prompts_and_resolutions(broker: Broker, scra
         await scrape("prompt_broker_time_to_answer_seconds_count", outcome="answered") == timed + 1
     )
     # The answer waits for its audit item (no audit worker runs here).
-    backlog = await broker.redis.zcard(broker.keys.audit)
+    backlog = await index_count(broker, "audit")
     assert backlog >= 1 and await scrape("prompt_broker_audit_backlog") == backlog
     await asyncio.sleep(0.2)
     await sampler.sample()

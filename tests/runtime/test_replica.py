@@ -25,7 +25,7 @@ from broker import (
     ThreadNotFound,
 )
 from tests.conftest import BrokerFactory
-from tests.helpers import of_type, text, until
+from tests.helpers import index_score, of_type, text, until
 from workers.agents.harness import (
     AgentStore,
     Resume,
@@ -232,7 +232,7 @@ async def test_a_new_thread_is_indexed_only_once_its_record_exists(settings: Set
     person.redis.script_load = load_while_a_replica_claims  # type: ignore[method-assign]
     try:
         await person.sessions.create("n1", "scripted", "approval", ASK)
-        assert await person.redis.zscore(person.keys.leases, "n1") is not None
+        assert await index_score(person, "leases", "n1") is not None
         assert await rival.sessions.claim_many(["n1"], "r9", "i1") == {"n1": 1}
     finally:
         await person.aclose()

@@ -21,7 +21,7 @@ from broker import (
     Question,
     Session,
 )
-from tests.helpers import of_type, outputs, stays, text, truthy, until
+from tests.helpers import index_count, of_type, outputs, stays, text, truthy, until
 from tests.runtime.test_replica import (
     ASK,
     Fleet,
@@ -220,7 +220,7 @@ async def test_stale_epoch_ask_is_fenced(person: Broker) -> None:
     assert e.value.current == new
     assert await person.items("t1") == []
     assert await person.active_prompt("t1") is None
-    assert await person.redis.zcard(person.keys.open) == 0
+    assert await index_count(person, "open") == 0
     # the holder's epoch asks
     p = await person.ask("t1", "text", [Question(question="Anything else?")], epoch=new)
     assert (await person.active_prompt("t1")) == p

@@ -20,7 +20,7 @@ import redis
 
 from broker import Broker, PromptCancelled, Timing
 from tests.conftest import RedisServer, free_port
-from tests.helpers import cli, eventually, fleet_env, process
+from tests.helpers import cli, drop_indexes, eventually, fleet_env, index_count, process
 from workers.runtime.timekeeper import Timekeeper
 
 pytestmark = [pytest.mark.real_redis]
@@ -178,7 +178,7 @@ async def test_racing_timekeepers_take_every_step_once(make_broker: Any) -> None
         assert counts[(p, "prompt.reminder")] == 2
         assert counts[(p, "prompt.escalated")] == 1
         assert counts[(p, "prompt.cancelled")] == 1
-    assert await b.redis.zcard(b.keys.due) == 0  # nothing left to look at
+    assert await index_count(b, "due") == 0  # nothing left to look at
 
 
 async def test_what_opened_while_no_timekeeper_ran_is_found(make_broker: Any) -> None:
@@ -188,7 +188,7 @@ async def test_what_opened_while_no_timekeeper_ran_is_found(make_broker: Any) ->
     await b.post_item("w", {"author": "alice", "content": [{"type": "text", "text": "hi"}]})
     await b.set_timing("w", Timing(deadline=0.3))
     before = await b.ask("w", "ask_user_question", [Q])
-    await b.redis.delete(b.keys.due)  # as if it had never been scheduled
+    await drop_indexes(b, "due")  # as if it had never been scheduled
     keeper = Timekeeper(b, interval=0.02)
     task = asyncio.create_task(keeper.run())
     try:
