@@ -50,6 +50,7 @@ def _bucket(thread_id: str, n: int = 4) -> int:
     return zlib.crc32(thread_id.encode()) % n
 
 
+@pytest.mark.single_server("one server's default: one bucket, the old key names")
 async def test_one_bucket_by_default_keeps_the_key_names(broker: Broker) -> None:
     """On one server the default is one bucket, named as the index always was (`<prefix>:open`);
     the auto count on a cluster is 16."""
@@ -72,6 +73,7 @@ async def test_members_land_in_their_threads_bucket(bucketed: Broker) -> None:
     for t in threads:
         await b.sessions.create(t, "scripted", "approval", {})
         asked.append(await b.ask(t, "approval", [APPROVAL]))
+        await asyncio.sleep(0.002)  # distinct creation times: the listing's order is theirs
     open_keys = await _keys_of(b, b.indexes.open)
     assert b.keys.open not in open_keys  # no one-key index beside the buckets
     assert len(open_keys) > 1
@@ -120,7 +122,10 @@ async def test_merged_reads_page_in_score_order(bucketed: Broker) -> None:
 
 async def test_http_prompts_page_across_buckets(bucketed: Broker) -> None:
     """GET /v1/prompts pages through prompts spread over the buckets, oldest first, each once."""
-    asked = [await bucketed.ask(f"h{i}", "approval", [APPROVAL]) for i in range(9)]
+    asked = []
+    for i in range(9):
+        asked.append(await bucketed.ask(f"h{i}", "approval", [APPROVAL]))
+        await asyncio.sleep(0.002)  # distinct creation times
     ident = Identity.model_validate({"name": "ann", "token": TOKEN, "scopes": ["read"]})
     app = create_app(ApiSettings(tokens=(ident,), heartbeat=1.0), broker=bucketed)
     headers = {"Authorization": f"Bearer {TOKEN}"}
@@ -214,6 +219,7 @@ async def test_the_sweep_moves_members_of_a_former_bucket_count(
     their scores, into their buckets once the count is 2 and the sweep has run."""
     one = await make_broker()
     p = await one.ask("m1", "approval", [APPROVAL])
+    await asyncio.sleep(0.002)
     await one.sessions.create("m2", "scripted", "approval", {})
     four = await make_broker(index_buckets=4)
     q = await four.ask("m3", "approval", [APPROVAL])
