@@ -19,8 +19,8 @@ from typing import Any, Self, cast
 
 import orjson
 from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import AbstractConnection, SSLConnection
 from redis.exceptions import RedisError
 from ulid import ULID
 
@@ -106,6 +106,25 @@ def _fast_packing(client: Redis) -> Redis:
     return client
 
 
+#: What a decoding twin of a user's cluster client keeps of its connection settings.
+_CLUSTER_KEPT = (
+    "username", "password", "credential_provider", "client_name", "socket_timeout",
+    "socket_connect_timeout", "socket_keepalive", "socket_keepalive_options",
+    "health_check_interval", "retry", "protocol", "encoding", "encoding_errors",
+)  # fmt: skip
+
+
+def _decoding_cluster(client: RedisCluster) -> RedisCluster:
+    """A cluster client like `client` (its nodes, credentials, TLS and timeouts) that decodes."""
+    kwargs = client.connection_kwargs
+    extra = {k: kwargs[k] for k in _CLUSTER_KEPT if k in kwargs}
+    if kwargs.get("connection_class") is SSLConnection:
+        extra |= {"ssl": True} | {k: v for k, v in kwargs.items() if k.startswith("ssl_")}
+    nodes = [ClusterNode(n.host, n.port) for n in client.nodes_manager.startup_nodes.values()]
+    twin: RedisCluster = RedisCluster(startup_nodes=nodes, decode_responses=True, **extra)
+    return twin
+
+
 class Broker(Routing, Delivery, Timings):
     """The front door to prompts on Redis. Use it as an async context manager::
 
@@ -159,13 +178,16 @@ class Broker(Routing, Delivery, Timings):
         """`client`, or one like it that decodes replies (the broker reads str everywhere).
 
         Most users' clients (arq's pool too) are made without `decode_responses=True`. Rather
-        than refuse them, the Broker makes its own pool with the same connection settings and
-        closes it with itself; the caller's client is left as it is.
+        than refuse them, the Broker makes its own pool with the same connection settings (for
+        a cluster client, a cluster client on the same nodes) and closes it with itself; the
+        caller's client is left as it is.
         """
         if isinstance(client, RedisCluster):
-            if not client.get_encoder().decode_responses:
-                raise BadItem("redis", "a RedisCluster client needs decode_responses=True")
-            return cast(Redis, client)
+            if client.get_encoder().decode_responses:
+                return cast(Redis, client)
+            decoding = cast(Redis, _decoding_cluster(client))
+            self._derived.append(decoding)
+            return decoding
         pool = client.connection_pool
         if pool.connection_kwargs.get("decode_responses"):
             return client
@@ -230,7 +252,10 @@ class Broker(Routing, Delivery, Timings):
         if self._sharded is not None:
             await self._sharded.aclose()
         for derived in self._derived:
-            await derived.aclose(close_connection_pool=True)
+            if isinstance(derived, RedisCluster):
+                await derived.aclose()  # its node pools are its own
+            else:
+                await derived.aclose(close_connection_pool=True)
         if self._owns_client:
             for client in self._given:
                 await client.aclose()
