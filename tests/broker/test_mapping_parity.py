@@ -1,5 +1,5 @@
 """route.lua's text mapping equals Python's `map_text`, and its check of structured answers equals
-`accept_structured`, on fakeredis and on a real redis-server.
+`accept_structured`, on fakeredis, on a real redis-server and on the session's Redis Cluster.
 
 The answer path maps text inside Redis (broker/lua/route.lua, a port of `answers.map_prepared`).
 Each example asks a generated prompt through `Broker.ask` on a fresh thread, posts a generated
@@ -14,44 +14,53 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import fakeredis
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from broker import Answer, Broker, Option, Question, Settings, map_text
 from broker.answers import accept_structured, check_structured, matchers
+from tests.conftest import cluster_runs_wanted, delete_prefix
 
 # -- running one example -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["fake", pytest.param("real", marks=pytest.mark.real_redis)])
+_BACKENDS = ["fake", pytest.param("real", marks=pytest.mark.real_redis)]
+if cluster_runs_wanted():  # as the `backend` fixture does (tests/conftest.py)
+    _BACKENDS.append(pytest.param("cluster", marks=[pytest.mark.real_redis, pytest.mark.cluster]))
+
+
+@pytest.fixture(scope="module", params=_BACKENDS)
 def redis_url(request: pytest.FixtureRequest) -> str | None:
-    """None for fakeredis, else the session's real server (module scope: hypothesis-safe)."""
+    """None for fakeredis, else the session's real server, or its cluster as `cluster+<url>`
+    (module scope: hypothesis-safe)."""
     if request.param == "fake":
         return None
+    if request.param == "cluster":
+        return CLUSTER + request.getfixturevalue("redis_cluster").url
     return str(request.getfixturevalue("real_redis_url"))
 
 
-async def _delete_prefix(client: Redis, prefix: str) -> None:
-    """Delete this example's keys only: never a FLUSHDB on the shared server."""
-    for pattern in (f"{prefix}:*", f"arq:*:{prefix}:*"):
-        keys = [k async for k in client.scan_iter(match=pattern, count=1000)]
-        if keys:
-            await client.delete(*keys)
+CLUSTER = "cluster+"
+
+
+def _client(url: str | None) -> Redis:
+    if url is None:
+        return fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    if url.startswith(CLUSTER):
+        return cast(Redis, RedisCluster.from_url(url.removeprefix(CLUSTER), decode_responses=True))
+    return Redis.from_url(url, decode_responses=True)
 
 
 async def _route(url: str | None, kind: str, questions: list[Question], text: str) -> list[Answer]:
     """Ask `questions` on a fresh thread, post `text`, and return the answers route.lua gave."""
     prefix = "par" + uuid.uuid4().hex[:12]
-    client: Redis
-    if url is None:
-        client = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
-    else:
-        client = Redis.from_url(url, decode_responses=True)
+    client = _client(url)
     try:
         async with Broker(client, Settings(key_prefix=prefix)) as broker:
             thread = "th-" + uuid.uuid4().hex[:8]
@@ -66,7 +75,7 @@ async def _route(url: str | None, kind: str, questions: list[Question], text: st
             return routed.answers
     finally:
         if url is not None:
-            await _delete_prefix(client, prefix)
+            await delete_prefix(client, prefix)
         await client.aclose()
 
 
@@ -229,11 +238,7 @@ async def _route_structured(
     url: str | None, questions: list[Question], raw: list[dict[str, Any]]
 ) -> Any:
     prefix = "par" + uuid.uuid4().hex[:12]
-    client: Redis
-    if url is None:
-        client = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
-    else:
-        client = Redis.from_url(url, decode_responses=True)
+    client = _client(url)
     try:
         async with Broker(client, Settings(key_prefix=prefix)) as broker:
             thread = "th-" + uuid.uuid4().hex[:8]
@@ -242,7 +247,7 @@ async def _route_structured(
             return await broker.post_item(thread, item)
     finally:
         if url is not None:
-            await _delete_prefix(client, prefix)
+            await delete_prefix(client, prefix)
         await client.aclose()
 
 
