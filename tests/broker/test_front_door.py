@@ -199,11 +199,6 @@ async def test_other_arguments_refused_as_bad_items(
 # -- any client ---------------------------------------------------------------------------
 
 
-@pytest.mark.cluster_xfail(
-    "a RedisCluster client without decode_responses is refused (BadItem) where a Redis one is "
-    "accepted with a decoding twin: broker/client.py _decoding, requested of its owner",
-    raises=BadItem,
-)
 async def test_a_client_without_decode_responses_is_accepted(
     make_client: ClientFactory, prefix: str
 ) -> None:
