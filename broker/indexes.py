@@ -177,6 +177,7 @@ class Index:
         return self.head_from(await pipe.execute(), limit)
 
     async def count(self, redis: Redis) -> int:
+        """How many members, in all buckets."""
         pipe = redis.pipeline(transaction=False)
         for key in self.all_keys():
             pipe.zcard(key)
@@ -189,7 +190,9 @@ class Index:
 
     # -- the sweep ----------------------------------------------------------------------------
 
-    async def scan(self, redis: Redis, keys: Iterable[str] | None = None) -> Any:
+    async def scan(
+        self, redis: Redis, keys: Iterable[str] | None = None
+    ) -> AsyncGenerator[tuple[str, str, float], None]:
         """Every `(bucket key, member, score)` of the buckets (or of `keys`), by ZSCAN."""
         for key in self.all_keys() if keys is None else keys:
             async for member, score in redis.zscan_iter(key, count=1000):
