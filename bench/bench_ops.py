@@ -171,7 +171,7 @@ async def _step_floor(asker: Broker) -> list[float]:
         await asker.cancel(f"floor{i}", EXPIRED, prompt_id=p.prompt_id)
         floor.append(time.perf_counter() - t0)
         assert step.outcome == "expire"
-    await asker.redis.delete(asker.keys.due)
+    await asker.redis.delete(*asker.indexes.due.all_keys())
     return sorted(floor)
 
 

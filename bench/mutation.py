@@ -638,8 +638,9 @@ CATALOGUE: list[Mutant] = [
     M(
         "delivery.audit_unindex",
         "delivery",
-        "pipe.zrem(self.keys.audit, member)\n                pipe.zrem(self.keys.open",
-        "pipe.zrem(self.keys.open",
+        "pipe.zrem(self.indexes.audit.key(thread_id), member)\n"
+        "                pipe.zrem(self.indexes.open",
+        "pipe.zrem(self.indexes.open",
         "a posted resolution stays in the audit index",
     ),
     # -- broker/sessions.py -------------------------------------------------------------------

@@ -634,7 +634,7 @@ class Soak:
     async def unheld(self, running: set[str]) -> list[tuple[str, str, str]]:
         out = []
         now = await self.observer.sessions.server_ms()
-        for member in await self.redis.zrange(self.observer.keys.open, 0, -1):
+        for member in await self.observer.indexes.open.members(self.redis):
             thread, pid = self.observer.keys.split_member(member)
             try:
                 prompt = await self.observer.get_prompt(thread, pid)
@@ -1101,7 +1101,7 @@ class Checker:
         """`open` index entries with no pending record behind them (the records decide, so
         this is a figure, not a violation: nobody is shown such a prompt)."""
         out = []
-        for member in await self.b.redis.zrange(self.b.keys.open, 0, -1):
+        for member in await self.b.indexes.open.members(self.b.redis):
             pid = self.b.keys.split_member(member)[1]
             if self.prompts.get(pid) is None or self.prompts[pid].state != "pending":
                 out.append(member)
