@@ -20,13 +20,14 @@ from redis.exceptions import (
     ClusterError,
     OutOfMemoryError,
     ReadOnlyError,
+    RedisClusterException,
     SlotNotCoveredError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from ulid import ULID
 
-from broker._scripts import Scripts
+from broker._scripts import Scripts, slot_map_error
 from broker._waiter import Waiter
 from broker.errors import BrokerClosed, BrokerError, BrokerUnavailable
 from broker.keys import Keys, ThreadKeys
@@ -68,6 +69,12 @@ def _reaching(
                 raise BrokerUnavailable(what, e, False, refused=True) from e
             except _UNREACHABLE as e:
                 raise BrokerUnavailable(what, e, took_effect) from e
+            except RedisClusterException as e:  # not a RedisError: redis-py's cluster client
+                known = slot_map_error(e)  # no slot map (no node answered ...), or a mistake
+                if known is None:
+                    raise
+                refused = not isinstance(known, RedisConnectionError)
+                raise BrokerUnavailable(what, known, took_effect, refused=refused) from e
 
         return reaching
 

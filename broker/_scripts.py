@@ -17,9 +17,10 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterPipeline
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ClusterDownError, NoScriptError, RedisClusterException, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-__all__ = ["NAMES", "Script", "Scripts"]
+__all__ = ["NAMES", "Script", "Scripts", "slot_map_error"]
 
 NAMES = (
     "ask",
@@ -43,6 +44,23 @@ NAMES = (
     "timing",
     "step",
 )
+
+
+def slot_map_error(e: RedisClusterException) -> RedisConnectionError | ClusterDownError | None:
+    """What a RedisClusterException (redis-py's own, not a RedisError) means when the cluster
+    client could not (re)build its slot map, so it sent nothing; None for its other ones,
+    mistakes in the call (keys of two slots ...), which are not an outage.
+
+    No node it knows answered ("Redis Cluster cannot be connected", raised from the last node's
+    error): a connection error. The nodes that answered are no cluster nodes, or leave slots
+    uncovered: the cluster is down for us, as CLUSTERDOWN says.
+    """
+    if e.__cause__ is None and not str(e).startswith("All slots are not covered"):
+        return None
+    why = f"the cluster's slot map could not be read: {e}"
+    if isinstance(e.__cause__, RedisConnectionError | OSError):
+        return RedisConnectionError(why)
+    return ClusterDownError(why)  # type: ignore[no-untyped-call]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +91,13 @@ class Scripts:
         """Run one script; if the server lost it (restart, SCRIPT FLUSH), load it and run again."""
         script = self.by_name[name]
         try:
-            return await redis.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[misc]
-        except NoScriptError:
-            await redis.script_load(script.source)
-            return await redis.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[misc]
+            try:
+                return await redis.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[misc]
+            except NoScriptError:
+                await redis.script_load(script.source)
+                return await redis.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[misc]
+        except RedisClusterException as e:
+            raise (slot_map_error(e) or e) from e
 
     def queue(self, pipe: Pipeline, name: str, keys: list[str], args: list[Any]) -> None:
         """Add a script call to a pipeline; `run_pipeline` retries it if the server lost it."""
@@ -89,8 +110,15 @@ class Scripts:
         """Execute a non-transactional pipeline of script calls and plain commands.
 
         A NOSCRIPT reply means that script did not run at all, so loading it and running that
-        call again (in order) is exactly what the pipeline meant. Any other error is raised.
+        call again (in order) is exactly what the pipeline meant. Any other error is raised (a
+        cluster client's missing slot map as `slot_map_error` says).
         """
+        try:
+            return await self._run_pipeline(redis, pipe)
+        except RedisClusterException as e:
+            raise (slot_map_error(e) or e) from e
+
+    async def _run_pipeline(self, redis: Redis, pipe: Pipeline) -> list[Any]:
         stack = _stack(pipe)
         results: list[Any] = await pipe.execute(raise_on_error=False)
         lost = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]

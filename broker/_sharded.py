@@ -24,7 +24,7 @@ from typing import Any
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 __all__ = ["ShardedBells", "ShardedPubSub"]
 
@@ -47,16 +47,21 @@ class ShardedBells:
         return ShardedPubSub(self)
 
     async def slot_map(self) -> RedisCluster:
-        if self._map is None:
-            first = self._cluster.get_nodes()[0] if self._cluster.get_nodes() else None
-            if first is None:
-                await self._cluster.initialize()
-                first = self._cluster.get_nodes()[0]
-            auth = {k: first.connection_kwargs.get(k) for k in ("username", "password")}
-            self._map = RedisCluster(host=first.host, port=first.port, **auth)
-        if self.stale:
-            await self._map.nodes_manager.initialize()
-            self.stale = False
+        """The slot map, refreshed when stale. No node answering for it (redis-py's own
+        RedisClusterException, not a RedisError) is a disconnect like any other."""
+        try:
+            if self._map is None:
+                first = self._cluster.get_nodes()[0] if self._cluster.get_nodes() else None
+                if first is None:
+                    await self._cluster.initialize()
+                    first = self._cluster.get_nodes()[0]
+                auth = {k: first.connection_kwargs.get(k) for k in ("username", "password")}
+                self._map = RedisCluster(host=first.host, port=first.port, **auth)
+            if self.stale:
+                await self._map.nodes_manager.initialize()
+                self.stale = False
+        except RedisClusterException as e:
+            raise RedisConnectionError(f"the cluster's slot map could not be read: {e}") from e
         return self._map
 
     async def aclose(self) -> None:

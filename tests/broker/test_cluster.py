@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from typing import cast
 
 import orjson
 import pytest
@@ -18,13 +19,13 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
-from broker import Broker, Settings
+from broker import Broker, BrokerUnavailable, PromptUnavailable, Settings
 from broker._codec import pending_body
 from broker._scripts import Scripts
 from broker.answers import matchers, prepare
 from broker.keys import Keys
 from broker.models import Question
-from tests.conftest import RedisClusterNodes
+from tests.conftest import RedisClusterNodes, free_port
 
 pytestmark = pytest.mark.real_redis
 
@@ -246,3 +247,28 @@ async def test_many_threads_subscribed_at_once_hear_their_bells(
             assert asyncio.get_running_loop().time() < deadline, sorted(set(threads) - set(heard))
             await asyncio.sleep(0.05)
         assert b._waiter.reconnects == 0
+
+
+async def test_a_cluster_nobody_answers_for_is_unavailable(prefix: str) -> None:
+    """A cluster client whose nodes all are down cannot make its slot map: redis-py says so with
+    its own RedisClusterException; the Broker's calls raise `BrokerUnavailable` (unreachable)
+    and an ask `PromptUnavailable`, as on one server, and never redis-py's error."""
+    client = RedisCluster.from_url(f"redis://127.0.0.1:{free_port()}", decode_responses=True)
+    async with Broker(cast(Redis, client), Settings(key_prefix=prefix), owns_client=True) as b:
+        with pytest.raises(BrokerUnavailable) as e:
+            await b.open_prompts()
+        assert not e.value.refused and "Redis could not be reached" in str(e.value)
+        with pytest.raises(PromptUnavailable, match="slot map could not be read"):
+            await b.ask("t", "approval", [{"question": "Go?"}])  # as on one server
+
+
+async def test_a_node_that_is_no_cluster_node_is_refused_clearly(
+    real_redis_url: str, prefix: str
+) -> None:
+    """`redis_cluster` set, but the URL names one plain server: `BrokerUnavailable` (refused,
+    nothing written) naming why, not redis-py's RedisClusterException."""
+    client = RedisCluster.from_url(real_redis_url.rsplit("/", 1)[0], decode_responses=True)
+    async with Broker(cast(Redis, client), Settings(key_prefix=prefix), owns_client=True) as b:
+        with pytest.raises(BrokerUnavailable) as e:
+            await b.open_prompts()
+    assert e.value.refused and "Cluster mode is not enabled" in str(e.value)

@@ -1,4 +1,5 @@
-"""The command line, run in-process against the real redis-server (and once as a real process).
+"""The command line, run in-process against the real redis-server and against the session's Redis
+Cluster (and once as a real process).
 
 `main()` runs `asyncio.run` itself, so these tests are plain sync tests and arrange their state
 with `asyncio.run` too. Each test has its own key prefix, set through the environment as a user
@@ -16,15 +17,16 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import orjson
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from broker import Broker, Prompt, Settings
 from broker.cli import main
-from tests.conftest import delete_prefix, free_port
+from tests.conftest import cluster_runs_wanted, delete_prefix, free_port
 
 pytestmark = pytest.mark.real_redis
 
@@ -45,13 +47,25 @@ STYLE = {"question": "Any preference for visual style?"}
 class Env:
     url: str
     prefix: str
+    cluster: bool = False  # the URL names a node of the session's Redis Cluster
+
+    @property
+    def vars(self) -> dict[str, str]:
+        """The PROMPT_BROKER_* variables a user would set for this server and prefix."""
+        chosen = {"PROMPT_BROKER_REDIS_URL": self.url, "PROMPT_BROKER_KEY_PREFIX": self.prefix}
+        return chosen | ({"PROMPT_BROKER_REDIS_CLUSTER": "true"} if self.cluster else {})
+
+    def client(self) -> Redis:
+        if self.cluster:
+            return cast(Redis, RedisCluster.from_url(self.url, decode_responses=True))
+        return Redis.from_url(self.url, decode_responses=True)
 
     def run(self, fn: Callable[[Broker], Awaitable[T]]) -> T:
         """Run `fn` with a Broker on this test's server and prefix (arranging, or checking)."""
 
         async def go() -> T:
-            client = Redis.from_url(self.url, decode_responses=True)
-            async with Broker(client, Settings(key_prefix=self.prefix), owns_client=True) as b:
+            settings = Settings(key_prefix=self.prefix)
+            async with Broker(self.client(), settings, owns_client=True) as b:
                 return await fn(b)
 
         return asyncio.run(go())
@@ -63,19 +77,30 @@ class Env:
         return self.run(lambda b: b.get_prompt(thread, prompt_id))
 
 
-@pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, real_redis_url: str, prefix: str) -> Iterator[Env]:
+#: The real server, and the session's cluster too (unless PB_CLUSTER_TESTS=0): the CLI on both.
+SERVERS = ["real"] + (
+    [pytest.param("cluster", marks=pytest.mark.cluster)] if cluster_runs_wanted() else []
+)
+
+
+@pytest.fixture(params=SERVERS)
+def env(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, prefix: str
+) -> Iterator[Env]:
     """The environment a user would set, and this test's keys deleted afterwards."""
+    if request.param == "cluster":
+        e = Env(request.getfixturevalue("redis_cluster").url, prefix, cluster=True)
+    else:
+        e = Env(request.getfixturevalue("real_redis_url"), prefix)
     for name in list(os.environ):
         if name.startswith("PROMPT_BROKER_"):
             monkeypatch.delenv(name)
-    monkeypatch.setenv("PROMPT_BROKER_REDIS_URL", real_redis_url)
-    monkeypatch.setenv("PROMPT_BROKER_KEY_PREFIX", prefix)
-    e = Env(real_redis_url, prefix)
+    for name, value in e.vars.items():
+        monkeypatch.setenv(name, value)
     yield e
 
     async def cleanup() -> None:
-        client = Redis.from_url(real_redis_url, decode_responses=True)
+        client = e.client()
         try:
             await delete_prefix(client, prefix)
         finally:
@@ -128,6 +153,7 @@ def test_show_renders_items_and_active_prompt(env: Env, capsys: pytest.CaptureFi
         first = await b.ask(THREAD, "ask_user_question", [TARGET])
         await b.post_item(THREAD, text_item("1"))
         await b.wait(THREAD, first.prompt_id, timeout=5)
+        await b.settle()  # the delivery is recorded (after `wait` returns): it may be audited
         assert await b.post_resolution(THREAD, first.prompt_id)
         return (await b.ask(THREAD, "approval", [APPROVAL])).prompt_id
 
@@ -376,7 +402,7 @@ def test_unknown_thread_is_an_error(env: Env, command: str) -> None:
     run = cli_process(
         command,
         "nosuch",
-        env=clean | {"PROMPT_BROKER_REDIS_URL": env.url, "PROMPT_BROKER_KEY_PREFIX": env.prefix},
+        env=clean | env.vars,
         timeout=20,
     )
     assert run.returncode == 2, run.stdout + run.stderr
@@ -406,7 +432,7 @@ def test_undecodable_argument_is_one_line(env: Env) -> None:
         "answer",
         THREAD,
         b"\xff\xfe",
-        env=clean | {"PROMPT_BROKER_REDIS_URL": env.url, "PROMPT_BROKER_KEY_PREFIX": env.prefix},
+        env=clean | env.vars,
     )
     assert run.returncode == 2, run.stderr
     line = one_error_line(run.stderr)
