@@ -21,9 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis.asyncio.cluster import RedisCluster
 
+from broker import Keys, Settings
 from tests.conftest import RedisClusterNodes
 from tests.helpers import cli, eventually, process
+from workers.runtime.fleet import Fleet
 from workers.runtime.redis_server import free_port
 
 pytestmark = [pytest.mark.real_redis, pytest.mark.slow]
@@ -162,3 +165,27 @@ def test_fleet_on_a_cluster_answers_by_http_and_cli_through_a_kill(
         status = _ok(cli("status", env=env))
         assert "open prompts: 0" in status
         eventually(lambda: open_metric.replace("1.0", "0.0") in _metrics(ops), "no open prompt")
+
+
+async def test_fleet_ready_reads_the_replicas_where_the_cluster_keeps_them(
+    redis_cluster: RedisClusterNodes,
+) -> None:
+    """`Fleet.ready` (what `prompt-broker up` waits on) counts the replicas on a cluster: the
+    prefix is chosen so their key lives on another primary than the node the URL names (a plain
+    client there gets MOVED)."""
+    named = redis_cluster.nodes[0].port
+    cluster = RedisCluster.from_url(redis_cluster.url)
+    await cluster.initialize()
+    prefix = next(
+        p
+        for p in ("fr" + uuid.uuid4().hex[:8] for _ in range(100))
+        if cluster.get_node_from_key(Keys(p, cluster=True).replicas).port != named
+    )
+    key = Keys(prefix, cluster=True).replicas
+    try:
+        await cluster.zadd(key, {"replica-1": 1})
+        settings = Settings(redis_url=redis_cluster.url, redis_cluster=True, key_prefix=prefix)
+        await Fleet(settings, workers=1).ready(within=5)
+    finally:
+        await cluster.delete(key)
+        await cluster.aclose()

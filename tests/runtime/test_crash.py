@@ -1,4 +1,5 @@
-"""The crash-test matrix: real replica processes on a real, private redis-server.
+"""The crash-test matrix: real replica processes on a real, private redis-server (and the
+crashes of replicas on the session's Redis Cluster as well).
 
 Every test starts its own redis-server (AOF on, `redis_server_factory`), a `Fleet` of replica
 processes (`python -m workers.runtime.cli worker`) plus the audit worker on it, and a `Broker`
@@ -31,7 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker import Broker, Item, Prompt, Session, Settings
 from tests import helpers
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, cluster_runs_wanted, delete_prefix
 from tests.helpers import outputs, text
 from workers.runtime.fleet import Fleet
 
@@ -46,11 +47,20 @@ T = TypeVar("T")
 # -- the rig ---------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class OnCluster:
+    """The session's Redis Cluster, under this test's own key prefix (deleted afterwards)."""
+
+    url: str
+    prefix: str
+
+
 @dataclass
 class Rig:
-    """A running fleet on a private server, and the person/observer's Broker."""
+    """A running fleet on a private server (or the session's cluster), and the person/observer's
+    Broker."""
 
-    server: RedisServer
+    server: RedisServer | OnCluster
     fleet: Fleet
     b: Broker
     settings: Settings
@@ -71,7 +81,7 @@ def dump_logs(logs: Path, tail: int = 400) -> None:
 
 @contextlib.asynccontextmanager
 async def running_fleet(
-    server: RedisServer,
+    server: RedisServer | OnCluster,
     tmp_path: Path,
     workers: int,
     *,
@@ -79,6 +89,8 @@ async def running_fleet(
     **overrides: Any,
 ) -> AsyncIterator[Rig]:
     """Start `workers` replicas and the audit worker on `server`; always stop them after."""
+    if isinstance(server, OnCluster):
+        overrides = {"key_prefix": server.prefix, "redis_cluster": True} | overrides
     settings = Settings(redis_url=server.url, **(BASE | overrides))
     logs = tmp_path / "logs"
     fleet = Fleet(settings, workers=workers, restart=restart, log_dir=logs)
@@ -99,11 +111,30 @@ async def running_fleet(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         await fleet.stop()
+        if isinstance(server, OnCluster):
+            await delete_prefix(b.redis, server.prefix)
         await b.aclose()
 
 
 @pytest.fixture
 def server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
+    return redis_server_factory(appendonly=True)
+
+
+#: The crashes of replicas (not of Redis) run on the session's cluster too (unless
+#: PB_CLUSTER_TESTS=0): a fleet of processes there, adopting and delivering once.
+WHERE = ["server"] + (
+    [pytest.param("cluster", marks=pytest.mark.cluster)] if cluster_runs_wanted() else []
+)
+
+
+@pytest.fixture(params=WHERE)
+def where(
+    request: pytest.FixtureRequest, redis_server_factory: Callable[..., RedisServer], prefix: str
+) -> RedisServer | OnCluster:
+    """A private server of the test's own, or the session's cluster under the test's prefix."""
+    if request.param == "cluster":
+        return OnCluster(request.getfixturevalue("redis_cluster").url, prefix)
     return redis_server_factory(appendonly=True)
 
 
@@ -365,10 +396,12 @@ async def prompts_of(b: Broker, threads: Iterable[str]) -> list[Prompt]:
 # -- 1. SIGKILL ------------------------------------------------------------------------------------
 
 
-async def test_sigkill_replica_holding_waits(server: RedisServer, tmp_path: Path) -> None:
+async def test_sigkill_replica_holding_waits(
+    where: RedisServer | OnCluster, tmp_path: Path
+) -> None:
     """SIGKILL of a replica holding held waits: adopted within lease_ttl + 1 s, each answer
     delivered and audited exactly once, approvals resumed through a spent grant."""
-    async with running_fleet(server, tmp_path, workers=3) as rig:
+    async with running_fleet(where, tmp_path, workers=3) as rig:
         b = rig.b
         threads = [f"kill{i}" for i in range(6)]
         await start_threads(b, threads)
@@ -509,10 +542,12 @@ async def wake(rig: Rig, name: str, pid: int, threads: list[str]) -> list[dict[s
     return since()
 
 
-async def test_stale_replica_cannot_act_after_adoption(server: RedisServer, tmp_path: Path) -> None:
+async def test_stale_replica_cannot_act_after_adoption(
+    where: RedisServer | OnCluster, tmp_path: Path
+) -> None:
     """A SIGSTOPped replica whose threads were adopted (and answered) meanwhile neither asks,
     delivers nor posts after SIGCONT: it drops them, and the adopter's deliveries stand."""
-    async with running_fleet(server, tmp_path, workers=2) as rig:
+    async with running_fleet(where, tmp_path, workers=2) as rig:
         b = rig.b
         threads = [f"stale{i}" for i in range(6)]
         await start_threads(b, threads)
@@ -602,10 +637,12 @@ async def restart_one(rig: Rig, name: str, threads: list[str]) -> None:
     await until(all_held, 10, f"every thread held again after {name} restarted")
 
 
-async def test_rolling_sigterm_restart_keeps_prompts(server: RedisServer, tmp_path: Path) -> None:
+async def test_rolling_sigterm_restart_keeps_prompts(
+    where: RedisServer | OnCluster, tmp_path: Path
+) -> None:
     """Every replica SIGTERMed and restarted in turn with prompts open: none is cancelled, all
     are parked and adopted; answered afterwards, each is delivered and audited exactly once."""
-    async with running_fleet(server, tmp_path, workers=3, restart=True) as rig:
+    async with running_fleet(where, tmp_path, workers=3, restart=True) as rig:
         b = rig.b
         threads = [f"roll{i}" for i in range(6)]
         prompts = await start_threads(b, threads)

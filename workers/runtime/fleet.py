@@ -32,6 +32,7 @@ import redis
 import redis.asyncio
 
 from broker import Settings
+from broker._cluster import cluster_client
 from broker.cli import CliError, fleet_record, read_local_fleet
 from workers.runtime.redis_server import RedisServer, free_port
 
@@ -333,8 +334,13 @@ class Fleet:
         """Wait until every replica has said it is alive (so work spreads over all of them)."""
         from broker import Keys
 
-        client = redis.asyncio.Redis.from_url(self.url)
-        key = Keys(self.settings.key_prefix).replicas
+        cluster = self.settings.redis_cluster
+        # On a cluster the replicas' key lives on the primary owning its slot: the cluster
+        # client finds it, a plain one on the node the URL names would get MOVED.
+        client: Any = (
+            cluster_client(self.url) if cluster else redis.asyncio.Redis.from_url(self.url)
+        )
+        key = Keys(self.settings.key_prefix, cluster=cluster).replicas
         deadline = time.monotonic() + within
         try:
             while await client.zcard(key) < self.workers:
