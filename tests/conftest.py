@@ -220,6 +220,33 @@ def cluster_runs_wanted() -> bool:
     return os.environ.get("PB_CLUSTER_TESTS", "1").strip().lower() not in ("0", "no", "false")
 
 
+@dataclass(frozen=True)
+class OnCluster:
+    """The session's Redis Cluster, under a test's own key prefix (deleted after it)."""
+
+    url: str
+    prefix: str
+
+
+#: Where a fleet of processes runs for the replica crash tests (tests/runtime/test_crash.py,
+#: test_delivery_once.py): a private server of the test's own, and the session's cluster too
+#: (unless PB_CLUSTER_TESTS=0). Tests that kill, pause or restart Redis itself keep `server`.
+WHERE: list[Any] = ["server"]
+if cluster_runs_wanted():
+    WHERE.append(pytest.param("cluster", marks=[pytest.mark.real_redis, pytest.mark.cluster]))
+
+
+@pytest.fixture(params=WHERE)
+def where(
+    request: pytest.FixtureRequest, redis_server_factory: Callable[..., RedisServer], prefix: str
+) -> RedisServer | OnCluster:
+    """A private server of the test's own (AOF on), or the session's cluster under the test's
+    prefix."""
+    if request.param == "cluster":
+        return OnCluster(request.getfixturevalue("redis_cluster").url, prefix)
+    return redis_server_factory(appendonly=True)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",

@@ -32,7 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker import Broker, Item, Prompt, Session, Settings
 from tests import helpers
-from tests.conftest import RedisServer, cluster_runs_wanted, delete_prefix
+from tests.conftest import OnCluster, RedisServer, delete_prefix
 from tests.helpers import outputs, text
 from workers.runtime.fleet import Fleet
 
@@ -45,14 +45,6 @@ T = TypeVar("T")
 
 
 # -- the rig ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class OnCluster:
-    """The session's Redis Cluster, under this test's own key prefix (deleted afterwards)."""
-
-    url: str
-    prefix: str
 
 
 @dataclass
@@ -118,23 +110,6 @@ async def running_fleet(
 
 @pytest.fixture
 def server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
-    return redis_server_factory(appendonly=True)
-
-
-#: The crashes of replicas (not of Redis) run on the session's cluster too (unless
-#: PB_CLUSTER_TESTS=0): a fleet of processes there, adopting and delivering once.
-WHERE = ["server"] + (
-    [pytest.param("cluster", marks=pytest.mark.cluster)] if cluster_runs_wanted() else []
-)
-
-
-@pytest.fixture(params=WHERE)
-def where(
-    request: pytest.FixtureRequest, redis_server_factory: Callable[..., RedisServer], prefix: str
-) -> RedisServer | OnCluster:
-    """A private server of the test's own, or the session's cluster under the test's prefix."""
-    if request.param == "cluster":
-        return OnCluster(request.getfixturevalue("redis_cluster").url, prefix)
     return redis_server_factory(appendonly=True)
 
 

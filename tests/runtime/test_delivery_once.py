@@ -24,7 +24,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from broker import Broker, Fenced, Grant, Item, Option, Prompt, Question
 from broker.keys import ThreadKeys
-from tests.conftest import RedisServer
+from tests.conftest import OnCluster, RedisServer
 from tests.helpers import of_type, outputs, text, until
 from tests.runtime.test_crash import INTERRUPTED, Rig, deliveries, log_events, running_fleet
 from tests.runtime.test_crash import until as crash_until
@@ -421,10 +421,12 @@ PARKED = {"wait_mode": "parked"}
 
 
 @pytest.mark.real_redis
-async def test_sigkill_after_the_command_ran(server: RedisServer, tmp_path: Path) -> None:
+async def test_sigkill_after_the_command_ran(
+    where: RedisServer | OnCluster, tmp_path: Path
+) -> None:
     """SIGKILL of the replica whose resume turn spent its grant and ran the command: the adopter
     reports the turn interrupted once and never replays it."""
-    async with running_fleet(server, tmp_path, workers=2, **PARKED) as rig:
+    async with running_fleet(where, tmp_path, workers=2, **PARKED) as rig:
         cut = await ran_once_then(rig, "k1", tmp_path / "k1.marker")
         proc = rig.fleet.replica(cut.holder).proc
         assert proc is not None
@@ -437,11 +439,11 @@ async def test_sigkill_after_the_command_ran(server: RedisServer, tmp_path: Path
 
 @pytest.mark.real_redis
 async def test_sigstop_past_the_lease_after_the_command_ran(
-    server: RedisServer, tmp_path: Path
+    where: RedisServer | OnCluster, tmp_path: Path
 ) -> None:
     """SIGSTOP past the lease, then SIGCONT, of that replica: the adopter reports the turn
     interrupted once; the woken replica writes nothing more; nothing runs twice."""
-    async with running_fleet(server, tmp_path, workers=2, **PARKED) as rig:
+    async with running_fleet(where, tmp_path, workers=2, **PARKED) as rig:
         cut = await ran_once_then(rig, "p1", tmp_path / "p1.marker")
         pid = rig.fleet.kill(cut.holder, signal.SIGSTOP)
         rig.stopped.add(pid)
@@ -547,10 +549,12 @@ async def _has(b: Broker, thread: str, line: str) -> bool:
 
 
 @pytest.mark.real_redis
-async def test_sigkill_with_many_threads_cut_at_once(server: RedisServer, tmp_path: Path) -> None:
+async def test_sigkill_with_many_threads_cut_at_once(
+    where: RedisServer | OnCluster, tmp_path: Path
+) -> None:
     """Six resume turns on three replicas, each past its command: SIGKILL of the replica running
     the most. Its threads are each reported once and never replayed; the others finish."""
-    async with running_fleet(server, tmp_path, workers=3, **PARKED) as rig:
+    async with running_fleet(where, tmp_path, workers=3, **PARKED) as rig:
         threads = [f"m{i}" for i in range(6)]
         cuts = await asyncio.gather(
             *(ran_once_then(rig, t, tmp_path / f"{t}.marker", work=8.0) for t in threads)
@@ -581,13 +585,15 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.real_redis
-async def test_sigkill_while_the_command_runs(server: RedisServer, tmp_path: Path) -> None:
+async def test_sigkill_while_the_command_runs(
+    where: RedisServer | OnCluster, tmp_path: Path
+) -> None:
     """SIGKILL of the replica while the approved command still runs: the command (and what it
     started) dies with it within a second; the adopter says the call may or may not have taken
     effect, never that it failed; nothing runs twice."""
     marker, pidfile = tmp_path / "w1.marker", tmp_path / "w1.pid"
     command = f"echo RAN >> {marker}; sleep 30 & echo $! > {pidfile}; wait"
-    async with running_fleet(server, tmp_path, workers=2, **PARKED) as rig:
+    async with running_fleet(where, tmp_path, workers=2, **PARKED) as rig:
         cut = await ran_once_then(rig, "w1", marker, command=command)
         pid = int(await crash_until(lambda: _read(pidfile), 5, "the command's child pid"))
         proc = rig.fleet.replica(cut.holder).proc
@@ -620,11 +626,11 @@ async def _gone(pid: int) -> bool:
 
 @pytest.mark.real_redis
 async def test_sigkill_after_a_held_approval_ran_its_command(
-    server: RedisServer, tmp_path: Path
+    where: RedisServer | OnCluster, tmp_path: Path
 ) -> None:
     """A held approval answered in place (no grant), its command run, then SIGKILL: the adopter
     reports the answer it had been handed, once; nothing is handed over or run again."""
-    async with running_fleet(server, tmp_path, workers=2) as rig:
+    async with running_fleet(where, tmp_path, workers=2) as rig:
         cut = await ran_once_then(rig, "h1", tmp_path / "h1.marker", held=True)
         proc = rig.fleet.replica(cut.holder).proc
         assert proc is not None
@@ -671,12 +677,12 @@ async def test_a_held_delivery_whose_reply_was_lost_is_still_handed_over(th: Thr
 
 @pytest.mark.real_redis
 async def test_sigkill_during_a_held_wait_then_cancelled(
-    server: RedisServer, tmp_path: Path
+    where: RedisServer | OnCluster, tmp_path: Path
 ) -> None:
     """SIGKILL during a held wait, the prompt cancelled before anyone adopts the thread: the
     adopter reports the cut-off turn once (nothing was handed over), and the next turn is told."""
     marker = tmp_path / "c1.marker"
-    async with running_fleet(server, tmp_path, workers=2) as rig:
+    async with running_fleet(where, tmp_path, workers=2) as rig:
         b = rig.b
         await b.sessions.create("c1", "scripted", "approval", marker_script("c1", marker))
         await b.post_item("c1", text("Please go ahead."))
