@@ -16,6 +16,7 @@ local run; CI runs them. A test that cannot run on a cluster by its nature says 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import shutil
@@ -228,23 +229,39 @@ class OnCluster:
     prefix: str
 
 
-#: Where a fleet of processes runs for the replica crash tests (tests/runtime/test_crash.py,
-#: test_delivery_once.py): a private server of the test's own, and the session's cluster too
-#: (unless PB_CLUSTER_TESTS=0). Tests that kill, pause or restart Redis itself keep `server`.
-WHERE: list[Any] = ["server"]
-if cluster_runs_wanted():
-    WHERE.append(pytest.param("cluster", marks=[pytest.mark.real_redis, pytest.mark.cluster]))
-
-
-@pytest.fixture(params=WHERE)
-def where(
+def _where(
     request: pytest.FixtureRequest, redis_server_factory: Callable[..., RedisServer], prefix: str
 ) -> RedisServer | OnCluster:
-    """A private server of the test's own (AOF on), or the session's cluster under the test's
-    prefix."""
+    """Where a fleet of processes runs (the replica crash tests, the turn deadlines ...): a
+    private server of the test's own (AOF on), and the session's cluster under the test's prefix
+    (parametrized by `pytest_generate_tests`, as `backend` is). Tests that kill, pause or restart
+    Redis itself take `server` instead."""
     if request.param == "cluster":
         return OnCluster(request.getfixturevalue("redis_cluster").url, prefix)
     return redis_server_factory(appendonly=True)
+
+
+where = pytest.fixture(_where, name="where")
+
+
+@pytest.fixture
+def fleet_redis(where: RedisServer | OnCluster) -> Iterator[tuple[str, dict[str, str]]]:
+    """For tests that drive processes by their environment: the Redis URL of `where`, and the
+    settings (`fleet_env` names: REDIS_CLUSTER, KEY_PREFIX) that go with it. On the cluster the
+    test's prefix keys are deleted after it."""
+    if not isinstance(where, OnCluster):
+        yield where.url, {}
+        return
+    yield where.url, {"REDIS_CLUSTER": "true", "KEY_PREFIX": where.prefix}
+
+    async def cleanup() -> None:
+        client = RedisCluster.from_url(where.url)
+        try:
+            await delete_prefix(client, where.prefix)
+        finally:
+            await client.aclose()
+
+    asyncio.run(cleanup())
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -272,30 +289,37 @@ def _in_cluster_scope(metafunc: pytest.Metafunc) -> bool:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Parametrize the `backend` fixture of this file: fake and real, and cluster where it is in
-    `CLUSTER_SCOPE`, wanted, and the test is not marked `single_server`. A test module that
-    defines its own `backend` fixture, or parametrizes `backend` itself, is left alone."""
-    if "backend" not in metafunc.fixturenames:
-        return
-    if any("backend" in str(m.args[0]) for m in metafunc.definition.iter_markers("parametrize")):
-        return
-    # The fixture that answers for `backend` in this test: the last of its definitions (pytest
-    # keeps them there at this stage; Metafunc has no public name for it).
-    defs = metafunc._arg2fixturedefs.get("backend", ())
-    if not defs or defs[-1].func is not _backend:
-        return
-    real = pytest.param("real", marks=pytest.mark.real_redis)
-    params: list[Any] = ["fake", real]
-    single = metafunc.definition.get_closest_marker("single_server")
-    if single is None and cluster_runs_wanted() and _in_cluster_scope(metafunc):
-        marks = [pytest.mark.real_redis, pytest.mark.cluster]
-        # A product bug found on a cluster, written up for its owner: the cluster run is
-        # expected to fail until it is fixed (strict: a fix shows as XPASS, failing the run).
-        bug = metafunc.definition.get_closest_marker("cluster_xfail")
-        if bug is not None:
-            marks.append(pytest.mark.xfail(strict=True, reason=str(bug.args[0]), **bug.kwargs))
-        params.append(pytest.param("cluster", marks=marks))
-    metafunc.parametrize("backend", params, indirect=True)
+    """Parametrize this file's `backend` fixture (fake, real) and `where` fixture (server), each
+    with `cluster` as well where it is in `CLUSTER_SCOPE`, wanted, and the test is not marked
+    `single_server`. A test module that defines its own `backend`, or a test that parametrizes
+    it itself, is left alone."""
+    for name, ours, plain in (
+        ("backend", _backend, ["fake", "real"]),
+        ("where", _where, ["server"]),
+    ):
+        if name not in metafunc.fixturenames:
+            continue
+        if any(name in str(m.args[0]) for m in metafunc.definition.iter_markers("parametrize")):
+            continue
+        # The fixture that answers for the name in this test: the last of its definitions
+        # (pytest keeps them there at this stage; Metafunc has no public name for it).
+        defs = metafunc._arg2fixturedefs.get(name, ())
+        if not defs or defs[-1].func is not ours:
+            continue
+        params: list[Any] = [pytest.param(p, marks=pytest.mark.real_redis) for p in plain]
+        if plain[0] == "fake":
+            params[0] = "fake"
+        single = metafunc.definition.get_closest_marker("single_server")
+        if single is None and cluster_runs_wanted() and _in_cluster_scope(metafunc):
+            marks = [pytest.mark.real_redis, pytest.mark.cluster]
+            # A product bug found on a cluster, written up for its owner: the cluster run is
+            # expected to fail until it is fixed (strict: a fix shows as XPASS, failing the run).
+            bug = metafunc.definition.get_closest_marker("cluster_xfail")
+            if bug is not None:
+                reason = str(bug.args[0])
+                marks.append(pytest.mark.xfail(strict=True, reason=reason, **bug.kwargs))
+            params.append(pytest.param("cluster", marks=marks))
+        metafunc.parametrize(name, params, indirect=True)
 
 
 def _backend(request: pytest.FixtureRequest) -> str:

@@ -1,25 +1,26 @@
 """Turn timeouts: a turn that runs too long without asking anything ends with a failure item.
 
-Real replica processes on a real redis-server; the limit is PROMPT_BROKER_OPS_TURN_TIMEOUT.
+Real replica processes on a real redis-server of the test's own, and on the session's Redis
+Cluster; the limit is PROMPT_BROKER_OPS_TURN_TIMEOUT.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import RedisServer
 from tests.helpers import cli, eventually, fleet_env, process
 
 pytestmark = [pytest.mark.real_redis, pytest.mark.slow]
 
 
 @pytest.fixture
-def env(redis_server_factory: Callable[..., RedisServer]) -> dict[str, str]:
-    return fleet_env(redis_server_factory().url, ADOPT_INTERVAL="0.3", OPS_TURN_TIMEOUT="1.5")
+def env(fleet_redis: tuple[str, dict[str, str]]) -> dict[str, str]:
+    """A private server of the test's own, or the session's cluster (`where` in conftest.py)."""
+    url, chosen = fleet_redis
+    return fleet_env(url, **chosen, ADOPT_INTERVAL="0.3", OPS_TURN_TIMEOUT="1.5")
 
 
 PICK = (
@@ -71,6 +72,7 @@ def test_waiting_on_a_person_does_not_count(env: dict[str, str], tmp_path: Path)
         assert "without asking anything" not in out
 
 
+@pytest.mark.single_server("reads one server's keys (pp:open, pp:events ...) with a plain client")
 def test_prompt_past_its_deadline_expires_once_never_approved(
     env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -99,6 +101,7 @@ def test_prompt_past_its_deadline_expires_once_never_approved(
         assert "approved" not in out.lower().replace("not approved", "")
 
 
+@pytest.mark.single_server("reads one server's keys (pp:open, pp:events ...) with a plain client")
 def test_a_new_prompt_gets_its_full_time(env: dict[str, str], tmp_path: Path) -> None:
     """With the expirer running, a prompt is not expired before its deadline."""
     import redis

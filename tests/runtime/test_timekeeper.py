@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from broker import Broker, PromptCancelled, Timing
-from tests.conftest import RedisServer, free_port
+from tests.conftest import RedisServer, cluster_runs_wanted, free_port
 from tests.helpers import cli, drop_indexes, eventually, fleet_env, index_count, process
 from workers.runtime.timekeeper import Timekeeper
 
@@ -207,9 +207,13 @@ async def test_what_opened_while_no_timekeeper_ran_is_found(make_broker: Any) ->
         await asyncio.gather(task, return_exceptions=True)
 
 
-@pytest.fixture
-def backend() -> str:
-    return "real"
+ON_CLUSTER = [pytest.param("cluster", marks=pytest.mark.cluster)] if cluster_runs_wanted() else []
+
+
+@pytest.fixture(params=["real", *ON_CLUSTER])
+def backend(request: pytest.FixtureRequest) -> str:
+    """The in-process timekeepers: the real server, and the session's cluster too."""
+    return str(request.param)
 
 
 async def test_a_cancel_that_fails_is_tried_again_later_not_in_a_loop(
