@@ -1,4 +1,5 @@
-"""Health, readiness and `status`, against real fleet processes on a real redis-server."""
+"""Health, readiness and `status`, against real fleet processes on a real redis-server of the
+test's own, and on the session's Redis Cluster."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ pytestmark = [pytest.mark.real_redis, pytest.mark.slow]
 
 
 @pytest.fixture
-def env(redis_server_factory: Callable[..., RedisServer]) -> dict[str, str]:
-    return fleet_env(redis_server_factory().url, LEASE_TTL="2", ADOPT_INTERVAL="0.3")
+def env(fleet_redis: tuple[str, dict[str, str]]) -> dict[str, str]:
+    """A private server of the test's own, or the session's cluster (`where` in conftest.py)."""
+    url, chosen = fleet_redis
+    return fleet_env(url, **chosen, LEASE_TTL="2", ADOPT_INTERVAL="0.3")
 
 
 def status(env: dict[str, str]) -> dict[str, Any]:
@@ -84,6 +87,7 @@ def test_replica_health(env: dict[str, str]) -> None:
     assert dead.returncode == 1 and "cannot connect" in dead.stderr
 
 
+@pytest.mark.single_server("stops and starts its own one redis-server")
 def test_replica_not_ready_without_redis(
     redis_server_factory: Callable[..., RedisServer], env: dict[str, str]
 ) -> None:
