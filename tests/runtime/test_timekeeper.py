@@ -249,3 +249,24 @@ async def test_a_cancel_that_fails_is_tried_again_later_not_in_a_loop(
     assert len(calls) == 4
     for p in prompts:
         assert (await b.get_prompt(p.thread_id, p.prompt_id)).reason == "expired"
+
+
+async def test_an_unreachable_cluster_is_an_outage_not_a_crash(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No node of the cluster answers: redis-py's RedisClusterException (not a RedisError) is
+    logged as the outage it is, a `timing.look_failed` warning, never a crash with a traceback."""
+    from redis.asyncio.cluster import RedisCluster
+
+    nodes = RedisCluster.from_url(f"redis://127.0.0.1:{free_port()}", decode_responses=True)
+    async with Broker(nodes, owns_client=True) as b:  # type: ignore[arg-type]
+        keeper = Timekeeper(b, interval=0.05)
+        with caplog.at_level("WARNING", logger="workers.runtime.timekeeper"):
+            task = asyncio.create_task(keeper.run())
+            await asyncio.sleep(0.4)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    events = [r.getMessage() for r in caplog.records if r.name == "workers.runtime.timekeeper"]
+    assert "timing.look_failed" in events
+    assert "timing.look_crashed" not in events
