@@ -5,6 +5,12 @@
 Every node named is a seed: the client asks the first that answers for the slot map and then
 knows them all. Credentials and options come from the URL and apply to every node. A URL naming
 one node is an ordinary Redis URL (and the only form a single server takes).
+
+The client made here raises a RedisError when it cannot read the slot map (no node answers, or
+the nodes leave slots uncovered): redis-py raises its RedisClusterException, which is not one,
+so every handler written for an outage on one server (`except RedisError`) would miss it and a
+background loop would die of it. Its other RedisClusterExceptions (a mistake in a call, such as
+keys of two slots) stay as they are.
 """
 
 from __future__ import annotations
@@ -13,9 +19,12 @@ import urllib.parse
 from typing import Any, cast
 
 import redis.cluster
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
+from redis.exceptions import RedisClusterException
 
-__all__ = ["cluster_client", "seeds", "sync_cluster_client"]
+from broker._scripts import slot_map_error
+
+__all__ = ["OutageCluster", "cluster_client", "seeds", "sync_cluster_client"]
 
 
 def seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
@@ -37,6 +46,43 @@ def seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{auth}{at}{first}")), others
 
 
+def _as_outage(e: RedisClusterException) -> Exception:
+    """The RedisError a slot-map failure is (broker/_scripts.py `slot_map_error`), else `e`."""
+    return slot_map_error(e) or e
+
+
+class _Pipeline(ClusterPipeline):
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> Any:
+        try:
+            return await super().execute(raise_on_error, allow_redirections)
+        except RedisClusterException as e:
+            raise _as_outage(e) from e
+
+
+class OutageCluster(RedisCluster):
+    """redis-py's asyncio cluster client whose slot-map failures are RedisErrors (see above)."""
+
+    async def initialize(self) -> OutageCluster:
+        try:
+            await super().initialize()
+        except RedisClusterException as e:
+            raise _as_outage(e) from e
+        return self
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except RedisClusterException as e:
+            raise _as_outage(e) from e
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
+        if shard_hint:
+            raise RedisClusterException("shard_hint is deprecated in cluster mode")
+        if transaction:
+            raise RedisClusterException("transaction is deprecated in cluster mode")
+        return _Pipeline(self)  # type: ignore[abstract]  # redis-py marks it so; it is not
+
+
 def cluster_client(url: str, **kwargs: Any) -> RedisCluster:
     """redis-py's asyncio cluster client on every node `url` names (see the module's doc)."""
     first, others = seeds(url)
@@ -45,7 +91,7 @@ def cluster_client(url: str, **kwargs: Any) -> RedisCluster:
             *kwargs.get("startup_nodes", ()),
             *(ClusterNode(host, port) for host, port in others),
         ]
-    return cast(RedisCluster, RedisCluster.from_url(first, **kwargs))
+    return cast(RedisCluster, OutageCluster.from_url(first, **kwargs))
 
 
 def sync_cluster_client(url: str, **kwargs: Any) -> Any:

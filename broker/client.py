@@ -26,7 +26,7 @@ from ulid import ULID
 
 from broker import _codec, events
 from broker._base import _new_id, _reaching
-from broker._cluster import cluster_client
+from broker._cluster import OutageCluster, cluster_client
 from broker._scripts import Scripts
 from broker._sharded import ShardedBells
 from broker._waiter import Waiter
@@ -121,7 +121,7 @@ def _decoding_cluster(client: RedisCluster) -> RedisCluster:
     if kwargs.get("connection_class") is SSLConnection:
         extra |= {"ssl": True} | {k: v for k, v in kwargs.items() if k.startswith("ssl_")}
     nodes = [ClusterNode(n.host, n.port) for n in client.nodes_manager.startup_nodes.values()]
-    twin: RedisCluster = RedisCluster(startup_nodes=nodes, decode_responses=True, **extra)
+    twin: RedisCluster = OutageCluster(startup_nodes=nodes, decode_responses=True, **extra)
     return twin
 
 

@@ -60,3 +60,25 @@ def test_the_cli_takes_several_nodes_and_says_what_is_wrong(
     assert bad.returncode == 2
     assert "'nohost' is not a cluster node (host:port)" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+async def test_an_unreachable_cluster_is_a_redis_error() -> None:
+    """No node answers: the client raises a RedisError (a connection error), as one server's
+    client does, on a command and on a pipeline; a mistake in a call stays redis-py's own."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import RedisClusterException
+
+    from broker._cluster import cluster_client
+
+    client = cluster_client(f"redis://127.0.0.1:{free_port()},127.0.0.1:{free_port()}")
+    try:
+        with pytest.raises(RedisConnectionError, match="slot map could not be read"):
+            await client.get("k")
+        pipe = client.pipeline()
+        pipe.get("k")
+        with pytest.raises(RedisConnectionError, match="slot map could not be read"):
+            await pipe.execute()
+        with pytest.raises(RedisClusterException, match="transaction is deprecated"):
+            client.pipeline(transaction=True)
+    finally:
+        await client.aclose()
