@@ -1,9 +1,9 @@
 """On a real Redis Cluster (three primaries, a replica each; `redis_cluster` in conftest.py):
-every thread script runs in its thread's one slot, retention included, and a bell can ring on
-sharded pub/sub from inside a script to a raw SSUBSCRIBE on the node that owns the slot.
-
-The Broker itself does not run on a cluster yet (its waiter uses classic pub/sub, and its
-pipelines and indexes assume one server); these tests pin down what that work builds on.
+every thread script runs in its thread's one slot, retention included; a bell rings on sharded
+pub/sub from inside a script to a raw SSUBSCRIBE on the node that owns the slot; the Broker's
+whole lifecycle, its audit worker and many bells at once on the cluster; and a cluster nobody
+answers for is the Broker's own error. (Every backend-parametrized test runs on this cluster
+too: tests/conftest.py `CLUSTER_SCOPE`.)
 """
 
 from __future__ import annotations
