@@ -8,6 +8,7 @@
 3. `GET /v1/prompts` requests per second with M open prompts (the first page, 50 prompts).
 
     .venv/bin/python bench/bench_web.py [--rounds 300] [--clients 1000] [--open 10000]
+    .venv/bin/python bench/bench_web.py --clients 0 --buckets 16   # the indexes in 16 buckets
 
 `serve` runs as its own process (uvicorn, one worker) so the client side and the server do not
 share an event loop; the agent and the clients run in this process.
@@ -53,7 +54,9 @@ def ms(seconds: float) -> str:
 
 
 @contextlib.asynccontextmanager
-async def serve(url: str, prefix: str, folder: Path) -> AsyncIterator[tuple[str, int]]:
+async def serve(
+    url: str, prefix: str, folder: Path, buckets: int = 0
+) -> AsyncIterator[tuple[str, int]]:
     """A `prompt-broker serve` process; yields its base URL and pid."""
     tokens = folder / "tokens.json"
     tokens.write_bytes(
@@ -65,6 +68,7 @@ async def serve(url: str, prefix: str, folder: Path) -> AsyncIterator[tuple[str,
         "PROMPT_BROKER_REDIS_URL": url,
         "PROMPT_BROKER_KEY_PREFIX": prefix,
         "PROMPT_BROKER_API_HEARTBEAT": "30",
+        "PROMPT_BROKER_INDEX_BUCKETS": str(buckets),
     }
     argv = ["-m", "workers.runtime.cli", "serve", "--port", str(port), "--tokens", str(tokens)]
     proc = await asyncio.create_subprocess_exec(
@@ -253,6 +257,11 @@ async def listing(b: Broker, base: str, open_prompts: int, seconds: float) -> No
     print(f"  {done / took:.0f} requests/s over {took:.1f} s")
 
 
+def b_count(settings: Settings) -> int:
+    """The bucket count these settings give on one server (0 is auto: 1)."""
+    return settings.index_buckets or 1
+
+
 async def main(args: argparse.Namespace) -> None:
     exe = shutil.which("redis-server")
     if exe is None:
@@ -261,10 +270,11 @@ async def main(args: argparse.Namespace) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 8192)), hard))
     with private_redis(exe, free_port()) as url, tempfile.TemporaryDirectory() as tmp:
         prefix = "bw" + uuid.uuid4().hex[:6]
-        settings = Settings(key_prefix=prefix)
+        settings = Settings(key_prefix=prefix, index_buckets=args.buckets)
+        print(f"discovery index buckets: {b_count(settings)}")
         async with (
             Broker(Redis.from_url(url, decode_responses=True), settings, owns_client=True) as b,
-            serve(url, prefix, Path(tmp)) as (base, pid),
+            serve(url, prefix, Path(tmp), args.buckets) as (base, pid),
         ):
             await answers(b, base, args.rounds)
             if args.clients:
@@ -280,4 +290,7 @@ if __name__ == "__main__":
     parser.add_argument("--fan-rounds", type=int, default=20)
     parser.add_argument("--open", type=int, default=10_000)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument(
+        "--buckets", type=int, default=0, help="PROMPT_BROKER_INDEX_BUCKETS (0: auto, 1 here)"
+    )
     asyncio.run(main(parser.parse_args()))
