@@ -345,3 +345,11 @@ def test_up_embedded_fakeredis_says_it_keeps_nothing(home: dict[str, str], tmp_p
     assert "an embedded fakeredis server" in banner and "It keeps NOTHING" in banner
     assert "LOSES every thread and open prompt" in banner
     assert "(prompts stay open in Redis)" not in banner
+
+
+def test_ups_status_line_counts_in_words() -> None:
+    """`up`'s status line says 1 thread and 1 prompt, not 1 threads and 1 prompts."""
+    from workers.runtime.cli.up import status_line
+
+    assert status_line(4, 1, 1) == "4 processes up, 1 thread, 1 prompt waiting on a person"
+    assert status_line(1, 0, 2) == "1 process up, 0 threads, 2 prompts waiting on a person"

@@ -65,7 +65,19 @@ async def _status(fleet: Fleet, settings: Settings) -> str:
     except (BrokerError, redis_errors.RedisError, OSError) as e:
         # Redis away is worth saying, not worth stopping the fleet for: the replicas ride it out.
         return f"{alive} processes up; cannot reach Redis at {fleet.url} ({e})"
-    return f"{alive} processes up, {len(holders)} threads, {waiting} prompts waiting on a person"
+    return status_line(alive, len(holders), waiting)
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def status_line(alive: int, threads: int, waiting: int) -> str:
+    """`3 processes up, 1 thread, 2 prompts waiting on a person`: what `up` prints now and then."""
+    return (
+        f"{_count(alive, 'process', 'processes')} up, {_count(threads, 'thread', 'threads')}, "
+        f"{_count(waiting, 'prompt', 'prompts')} waiting on a person"
+    )
 
 
 async def _reachable(url: str) -> None:
