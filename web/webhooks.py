@@ -45,7 +45,7 @@ from arq.utils import poll
 from arq.worker import Retry, Worker, func
 from pydantic import BaseModel, ConfigDict, Field
 from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from broker import events
@@ -120,9 +120,18 @@ async def _arq_on_cluster(nodes: RedisCluster, queue: str, *, refresh: bool) -> 
     slot map is asked of the cluster again, from every node the client knows, so a replica
     promoted in a failover is found even when the node first named is the one that died."""
     await nodes.initialize()
-    if refresh:
-        await nodes.nodes_manager.initialize()
     node = nodes.get_node_from_key(queue)
+    if refresh:  # asked of a client of its own: the shared one may be refreshing its map too
+        known = [
+            ClusterNode(n.host, n.port) for n in list(nodes.nodes_manager.startup_nodes.values())
+        ]
+        auth = {k: v for k, v in nodes.connection_kwargs.items() if k in ("username", "password")}
+        lookup = RedisCluster(startup_nodes=known, **auth)
+        try:
+            await lookup.initialize()
+            node = lookup.get_node_from_key(queue)
+        finally:
+            await lookup.aclose()
     if node is None:  # the slot has no primary right now (a failover under way)
         raise RedisClusterException(f"no primary owns the slot of {queue!r}")
     user, password = (node.connection_kwargs.get(k) for k in ("username", "password"))
@@ -200,6 +209,8 @@ class Dispatcher:
                 await self._worker.main()
             except (RedisError, RedisClusterException, OSError) as e:
                 logger.warning("webhooks.worker_restarting", extra={"error": repr(e)})
+            except Exception as e:  # a bug must not stop every delivery of this copy: say it
+                logger.error("webhooks.worker_crashed", extra={"error": repr(e)}, exc_info=e)
             if self._worker is not None:
                 await self._close_worker(self._worker)
                 self._worker = None
@@ -242,9 +253,15 @@ class Dispatcher:
 
     async def _feed(self) -> None:
         """Take events for this copy from the group, and now and then those another copy took
-        but never acknowledged (it died between reading and enqueueing): at least once."""
+        but never acknowledged (it died between reading and enqueueing): at least once.
+
+        An event this copy read but could not enqueue (Redis failed in between) stays pending
+        on this consumer: at the start and after every failure, this copy's own pending
+        entries are taken again first, so such an event goes out as soon as Redis answers,
+        not after the claim of abandoned entries (`claim_idle_ms`)."""
         key = events.event_key(self.keys)
         claimed_at = 0.0
+        own = True  # this consumer's pending entries first
         while True:
             try:
                 if time.monotonic() - claimed_at >= self._claim_every:
@@ -253,10 +270,17 @@ class Dispatcher:
                         key, _GROUP, self.consumer, self._claim_idle_ms, "0-0", count=100
                     )
                     await self._take(reply[1])
+                if own:
+                    reply = await self.redis.xreadgroup(_GROUP, self.consumer, {key: "0"}, 100)
+                    batch = [e for _, entries in reply or [] for e in entries]
+                    await self._take(batch)
+                    own = len(batch) >= 100  # more of them: another page
+                    continue
                 reply = await self.redis.xreadgroup(_GROUP, self.consumer, {key: ">"}, 100, 2000)
                 await self._take([e for _, batch in reply or [] for e in batch])
             except (RedisError, OSError) as e:
                 logger.warning("webhooks.feed_failed", extra={"error": repr(e)})
+                own = True
                 await asyncio.sleep(1)
 
     async def _take(self, entries: list[Any]) -> None:

@@ -417,6 +417,78 @@ async def test_an_event_a_dead_copy_took_is_delivered(broker: Broker) -> None:
     assert len(receiver.messages) == 1 and p.prompt_id in receiver.messages[0]
 
 
+async def test_an_event_read_but_not_enqueued_goes_out_when_redis_answers(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis fails between reading an event from the group and enqueueing its delivery (a
+    failover, say): the event stays pending on this copy, which takes its own pending entries
+    again after the failure, so it goes out within seconds, not after the claim of abandoned
+    entries (here never: claims are off)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from web.receiver import Receiver
+    from web.webhooks import Dispatcher
+
+    real, calls = Dispatcher._enqueue, []
+
+    async def failing_once(self: Dispatcher, event: Any, **kwargs: Any) -> None:
+        calls.append(event.id)
+        if len(calls) == 1:
+            raise RedisConnectionError("Connection closed by server.")
+        await real(self, event, **kwargs)
+
+    monkeypatch.setattr(Dispatcher, "_enqueue", failing_once)
+    receiver = Receiver(SECRET, "http://inbox")
+    target = Starlette(routes=[Route("/hook", receiver.handle, methods=["POST"])])
+    async with serving(target) as hook_base:
+        app = await _with_hooks(broker, f"{hook_base}/hook", claim_idle_ms=10**9, claim_every=10**9)
+        async with serving(app):
+            p = await broker.ask("t", "approval", [APPROVAL])
+            for _ in range(200):
+                if receiver.messages:
+                    break
+                await asyncio.sleep(0.05)
+    assert len(calls) == 2 and calls[0] == calls[1]  # the same event, taken again
+    assert len(receiver.messages) == 1 and p.prompt_id in receiver.messages[0]
+
+
+async def test_the_delivery_worker_outlives_a_bug(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Something unexpected out of arq's worker (a bug, not an outage) is logged and the worker
+    started again: the copy's deliveries do not stop for good."""
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from web.receiver import Receiver
+    from web.webhooks import Dispatcher
+
+    real, made = Dispatcher._new_worker, []
+
+    def crashing_once(self: Dispatcher, pool: Any) -> Any:
+        made.append(pool)
+        if len(made) == 1:
+            raise RuntimeError("dictionary changed size during iteration")
+        return real(self, pool)
+
+    monkeypatch.setattr(Dispatcher, "_new_worker", crashing_once)
+    receiver = Receiver(SECRET, "http://inbox")
+    target = Starlette(routes=[Route("/hook", receiver.handle, methods=["POST"])])
+    async with (
+        serving(target) as hook_base,
+        serving(await _with_hooks(broker, f"{hook_base}/hook")),
+    ):
+        p = await broker.ask("t", "approval", [APPROVAL])
+        for _ in range(200):
+            if receiver.messages:
+                break
+            await asyncio.sleep(0.05)
+    assert len(made) >= 2
+    assert len(receiver.messages) == 1 and p.prompt_id in receiver.messages[0]
+
+
 async def test_a_delivery_in_flight_finishes_when_the_copy_stops(broker: Broker) -> None:
     """A `serve` copy stopping while a delivery waits on a slow subscriber lets it finish (a
     short drain) and stops cleanly: closing raises nothing and the delivery is not cut off."""
