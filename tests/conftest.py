@@ -142,6 +142,16 @@ def redis_cluster() -> Iterator[RedisClusterNodes]:
             cluster.stop()
 
 
+@pytest.fixture
+def own_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
+    """A private Redis Cluster for one test that kills or cuts off a node of it."""
+    cluster = start_cluster(tmp_path)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 def _answers(url: str) -> bool:
     try:
         return bool(redis.Redis.from_url(url, socket_timeout=1).ping())

@@ -6,26 +6,15 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
 
 from broker import Broker, BrokerError, Settings
 from broker.models import Question
-from tests.conftest import RedisClusterNodes, start_cluster
+from tests.conftest import RedisClusterNodes
 
 pytestmark = pytest.mark.real_redis
-
-
-@pytest.fixture
-def own_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
-    cluster = start_cluster(tmp_path)
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 def _primary_of(cluster: RedisClusterNodes, port: int) -> bool:

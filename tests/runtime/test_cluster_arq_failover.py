@@ -12,29 +12,18 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
 
 from broker import Broker, BrokerError, Settings
 from broker.models import Question
-from tests.conftest import RedisClusterNodes, RedisServer, start_cluster
+from tests.conftest import RedisClusterNodes, RedisServer
 from tests.helpers import process, until
 from web.receiver import Receiver
 from web.testing import serving
 
 pytestmark = [pytest.mark.real_redis, pytest.mark.slow]
-
-
-@pytest.fixture
-def own_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
-    cluster = start_cluster(tmp_path)
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 def _arq_primary(cluster: RedisClusterNodes) -> RedisServer:
@@ -64,6 +53,13 @@ def _promoted(cluster: RedisClusterNodes, dead: RedisServer) -> bool:
         except redis.RedisError:
             continue
     return False
+
+
+async def _failed_over(cluster: RedisClusterNodes, victim: RedisServer) -> None:
+    """Kill -9 `victim`, then wait until its replica owns the slot of `{arq:abort}`."""
+    await asyncio.sleep(0.5)  # the queue's writes reach the replica
+    victim.kill()
+    await until(lambda: asyncio.to_thread(_promoted, cluster, victim), "the replica promoted", 30)
 
 
 async def _answered(b: Broker, thread: str, text: str) -> str:
@@ -105,13 +101,7 @@ async def test_the_audit_worker_goes_on_after_a_failover_of_arqs_primary(
         with process(["audit"], env) as worker:
             first = await _answered(b, "t1", "Ann")
             await until(lambda: _audited(b, "t1", first), "the first audit", within=30)
-            await asyncio.sleep(0.5)  # the queue's writes reach the replica
-            victim.kill()
-            await until(
-                lambda: asyncio.to_thread(_promoted, own_cluster, victim),
-                "the replica promoted",
-                within=30,
-            )
+            await _failed_over(own_cluster, victim)
             second = await _answered(b, "t2", "Bob")
             await until(lambda: _audited(b, "t2", second), "the audit after the failover", 40)
             assert worker.poll() is None, "the audit worker stopped"
@@ -153,13 +143,7 @@ async def test_webhooks_go_on_after_a_failover_of_arqs_primary(
         async with serving(app):
             first = await b.ask("t1", "approval", [Question(question="Deploy?")])
             await until(lambda: _said(receiver, first.prompt_id), "the first opening", 30)
-            await asyncio.sleep(0.5)  # the queue's writes reach the replica
-            victim.kill()
-            await until(
-                lambda: asyncio.to_thread(_promoted, own_cluster, victim),
-                "the replica promoted",
-                within=30,
-            )
+            await _failed_over(own_cluster, victim)
             deadline = time.monotonic() + 30
             while True:  # the thread's slot may have been on the dead primary too
                 try:
