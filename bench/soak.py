@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -380,7 +381,7 @@ class Soak:
         await self.check_open_prompts_held()
         self.phase = "settle"
         self.note("answering what is open; settling")
-        settled = await self.settle()
+        settled = await self.watched(self.settle(), self.args.settle + 30, "settling")
         self.phase = "done"
         for task in background:
             task.cancel()
@@ -824,6 +825,21 @@ class Soak:
 
     # -- settling --------------------------------------------------------------------------
 
+    async def watched(self, step: Coroutine[Any, Any, bool], limit: float, what: str) -> bool:
+        """Run `step`, allowed `limit` seconds: a step whose own deadline passed long ago is
+        stuck in a call that never returned, which is a violation (its stack is the evidence,
+        and every task's is in tasks.txt); the run then goes on to its report."""
+        task = asyncio.create_task(step)
+        done, _ = await asyncio.wait({task}, timeout=limit)
+        if done:
+            return task.result()
+        _dump_tasks(self.folder)
+        why = f"{what} made no progress in {limit:.0f} s:\n{_awaiting(task)}"
+        self.violation("stuck", "-", None, why)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return False
+
     async def settle(self) -> bool:
         """Answer every open prompt at once until nothing is open, running or unaudited."""
         deadline = time.monotonic() + self.args.settle
@@ -1207,9 +1223,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _awaiting(task: asyncio.Task[Any]) -> str:
+    """Where a task waits: each coroutine it awaits, outermost first, down to the future."""
+    lines, coro = [repr(task)], task.get_coro()
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is not None:
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+        inner = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+        if inner is None or not hasattr(inner, "cr_frame"):
+            lines.append(f"  awaiting {inner!r}")
+            break
+        coro = inner
+    return "\n".join(lines)
+
+
+def _dump_tasks(folder: Path) -> None:
+    """Write where every asyncio task waits to `tasks.txt` in the folder (also on SIGUSR1):
+    where a run that stopped moving is stuck."""
+    with (folder / "tasks.txt").open("a") as f:
+        f.write(f"-- {time.strftime('%H:%M:%S')} --\n")
+        for task in asyncio.all_tasks():
+            f.write(_awaiting(task) + "\n")
+
+
 async def main_async(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     soak = Soak(args, folder)
     began = time.monotonic()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _dump_tasks, folder)
     try:
         await soak.start()
         await soak.run()
