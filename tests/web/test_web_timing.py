@@ -187,6 +187,9 @@ async def test_an_escalated_prompt_is_open_to_its_group_and_nothing_else(
     prompts, its timing, a cancel and a message stay 403; another group's member sees nothing."""
     old = await broker.ask("team-b-1", "approval", [APPROVAL])
     p = await broker.ask("team-b-1", "approval", [APPROVAL])  # supersedes the first
+    # A later millisecond: the listing is oldest first, and asks in one millisecond come in the
+    # order of their members ("team-a-1/..." first), which is not what this test is about.
+    await asyncio.sleep(0.005)
     mine = await broker.ask("team-a-1", "approval", [APPROVAL])
     prompt_path = f"/v1/threads/team-b-1/prompts/{p.prompt_id}"
     answer = {
