@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from broker import Broker, PromptCancelled, Timing
+from broker import Broker, PromptCancelled, Settings, Timing
 from tests.conftest import RedisServer, cluster_runs_wanted, free_port
 from tests.helpers import cli, drop_indexes, eventually, fleet_env, index_count, process
 from workers.runtime.timekeeper import Timekeeper
@@ -254,12 +254,11 @@ async def test_a_cancel_that_fails_is_tried_again_later_not_in_a_loop(
 async def test_an_unreachable_cluster_is_an_outage_not_a_crash(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """No node of the cluster answers: redis-py's RedisClusterException (not a RedisError) is
+    """No node of the cluster answers: the timekeeper's cluster client (the one `keeping_time`
+    gets, broker/_cluster.py) raises a RedisError, not redis-py's RedisClusterException, so it is
     logged as the outage it is, a `timing.look_failed` warning, never a crash with a traceback."""
-    from redis.asyncio.cluster import RedisCluster
-
-    nodes = RedisCluster.from_url(f"redis://127.0.0.1:{free_port()}", decode_responses=True)
-    async with Broker(nodes, owns_client=True) as b:  # type: ignore[arg-type]
+    settings = Settings(redis_url=f"redis://127.0.0.1:{free_port()}", redis_cluster=True)
+    async with Broker.from_url(settings=settings) as b:
         keeper = Timekeeper(b, interval=0.05)
         with caplog.at_level("WARNING", logger="workers.runtime.timekeeper"):
             task = asyncio.create_task(keeper.run())

@@ -26,10 +26,9 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisError
 
 from broker import Broker, BrokerError, Settings, Step, events
-from broker._scripts import slot_map_error
 from broker.keys import Keys
 from workers.runtime.background import in_background
 from workers.runtime.deadlines import EXPIRED
@@ -209,12 +208,6 @@ class Timekeeper:
                 await self.once()
             except (RedisError, OSError, BrokerError) as e:
                 logger.warning("timing.look_failed", extra={"error": repr(e)})
-                await asyncio.sleep(0.5)
-            except RedisClusterException as e:
-                if slot_map_error(e) is None:  # a mistake in a call, not an outage
-                    logger.error("timing.look_crashed", extra={"error": repr(e)}, exc_info=e)
-                else:  # no node of the cluster answered: an outage, as on one server
-                    logger.warning("timing.look_failed", extra={"error": repr(e)})
                 await asyncio.sleep(0.5)
             except Exception as e:  # a bug must not stop every deadline of the fleet: say it
                 logger.error("timing.look_crashed", extra={"error": repr(e)}, exc_info=e)
