@@ -83,24 +83,26 @@ class OutageCluster(RedisCluster):
         return _Pipeline(self)  # type: ignore[abstract]  # redis-py marks it so; it is not
 
 
-def cluster_client(url: str, **kwargs: Any) -> RedisCluster:
-    """redis-py's asyncio cluster client on every node `url` names (see the module's doc)."""
+def _seeded(url: str, kwargs: dict[str, Any], node: Any) -> str:
+    """`url` with its first node only; the other nodes it names join `kwargs`' startup nodes,
+    each made with `node(host, port)` (the asyncio or the synchronous ClusterNode)."""
     first, others = seeds(url)
     if others:
         kwargs["startup_nodes"] = [
             *kwargs.get("startup_nodes", ()),
-            *(ClusterNode(host, port) for host, port in others),
+            *(node(host, port) for host, port in others),
         ]
+    return first
+
+
+def cluster_client(url: str, **kwargs: Any) -> RedisCluster:
+    """redis-py's asyncio cluster client on every node `url` names (see the module's doc)."""
+    first = _seeded(url, kwargs, ClusterNode)
     return cast(RedisCluster, OutageCluster.from_url(first, **kwargs))
 
 
 def sync_cluster_client(url: str, **kwargs: Any) -> Any:
     """The same, with redis-py's synchronous cluster client (a one-off lookup; redis-py does
     not type it)."""
-    first, others = seeds(url)
-    if others:
-        kwargs["startup_nodes"] = [
-            *kwargs.get("startup_nodes", ()),
-            *(redis.cluster.ClusterNode(h, p) for h, p in others),  # type: ignore[no-untyped-call]
-        ]
+    first = _seeded(url, kwargs, redis.cluster.ClusterNode)
     return redis.cluster.RedisCluster.from_url(first, **kwargs)

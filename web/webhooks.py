@@ -120,8 +120,9 @@ async def _arq_on_cluster(nodes: RedisCluster, queue: str, *, refresh: bool) -> 
     slot map is asked of the cluster again, from every node the client knows, so a replica
     promoted in a failover is found even when the node first named is the one that died."""
     await nodes.initialize()
-    node = nodes.get_node_from_key(queue)
-    if refresh:  # asked of a client of its own: the shared one may be refreshing its map too
+    if not refresh:
+        node = nodes.get_node_from_key(queue)
+    else:  # asked of a client of its own: the shared one may be refreshing its map too
         known = [
             ClusterNode(n.host, n.port) for n in list(nodes.nodes_manager.startup_nodes.values())
         ]

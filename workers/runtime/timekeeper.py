@@ -177,18 +177,15 @@ class Timekeeper:
             )
 
     async def _expire(self, thread_id: str, prompt_id: str, age_ms: int) -> None:
+        member, due = Keys.member(thread_id, prompt_id), self.broker.indexes.due.key(thread_id)
         try:
             done = await self.broker.cancel(thread_id, EXPIRED, prompt_id=prompt_id)
         except BrokerError as e:
             logger.warning("timing.expire_failed", extra={"prompt_id": prompt_id, "error": repr(e)})
             # Looked at again in a second (not at once: this look's page would take it again).
-            member = Keys.member(thread_id, prompt_id)
-            due = self.broker.indexes.due.key(thread_id)
             await self.broker.redis.zadd(due, {member: await server_ms(self.broker.redis) + 1000})
             return
-        await self.broker.redis.zrem(
-            self.broker.indexes.due.key(thread_id), Keys.member(thread_id, prompt_id)
-        )
+        await self.broker.redis.zrem(due, member)
         if done is not None:
             logger.info(
                 "prompt.expired",
