@@ -14,6 +14,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from broker import Broker, Question, Settings
 from tests.conftest import RedisClusterNodes
+from tests.web.test_web_events import said
 from web.app import create_app
 from web.settings import ApiSettings, Identity
 from web.testing import serving
@@ -98,10 +99,7 @@ async def test_webhooks_on_the_cluster(cluster_broker: Broker) -> None:
         )
         async with serving(app):
             p = await b.ask("w1", "approval", [Question(question="Deploy?")])
-            for _ in range(200):  # answered once the chat asked (deliveries are concurrent)
-                if receiver.messages:
-                    break
-                await asyncio.sleep(0.05)
+            await said(receiver, 1, "the opening")  # answered once the chat asked
             await b.post_item("w1", {"author": "bob", "content": [{"type": "text", "text": "1"}]})
             for _ in range(200):
                 if len(receiver.messages) >= 2:

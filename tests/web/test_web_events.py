@@ -14,6 +14,7 @@ import orjson
 import pytest
 
 from broker import Broker, events
+from tests.helpers import truthy, until
 from web import sse
 from web.app import create_app
 from web.settings import ApiSettings, Identity
@@ -243,6 +244,11 @@ def deliveries(outcome: str) -> float:
     )
 
 
+async def said(receiver: Any, n: int = 1, what: str = "the receiver's messages") -> None:
+    """Until the example receiver has said at least `n` messages (10 s at the most)."""
+    await until(lambda: truthy(len(receiver.messages) >= n), what, within=10)
+
+
 async def _with_hooks(broker: Broker, hook_url: str, tries: int = 4, **options: Any) -> Any:
     from web.webhooks import Webhook
 
@@ -274,15 +280,9 @@ async def test_webhooks_signed_retried_and_deduplicated(broker: Broker) -> None:
         p = await broker.ask("t", "approval", [APPROVAL])
         # A person answers once the chat asked them (deliveries are concurrent, so an answer
         # given at once could overtake the opening: the receiver would drop the late opening).
-        for _ in range(200):
-            if receiver.messages:
-                break
-            await asyncio.sleep(0.05)
+        await said(receiver, 1, "the opening")
         await broker.post_item("t", {"author": "bob", "content": [{"type": "text", "text": "1"}]})
-        for _ in range(200):
-            if len(receiver.messages) == 2:
-                break
-            await asyncio.sleep(0.05)
+        await said(receiver, 2, "the answer")
     assert receiver.messages == [
         f"[t] a approval waits on you: answer at http://inbox.example/#/threads/t/prompts/{p.prompt_id}",
         f"[t] answered by bob (http://inbox.example/#/threads/t/prompts/{p.prompt_id})",
@@ -446,10 +446,7 @@ async def test_an_event_read_but_not_enqueued_goes_out_when_redis_answers(
         app = await _with_hooks(broker, f"{hook_base}/hook", claim_idle_ms=10**9, claim_every=10**9)
         async with serving(app):
             p = await broker.ask("t", "approval", [APPROVAL])
-            for _ in range(200):
-                if receiver.messages:
-                    break
-                await asyncio.sleep(0.05)
+            await said(receiver, 1, "the event taken again")
     assert len(calls) == 2 and calls[0] == calls[1]  # the same event, taken again
     assert len(receiver.messages) == 1 and p.prompt_id in receiver.messages[0]
 
@@ -481,10 +478,7 @@ async def test_the_delivery_worker_outlives_a_bug(
         serving(await _with_hooks(broker, f"{hook_base}/hook")),
     ):
         p = await broker.ask("t", "approval", [APPROVAL])
-        for _ in range(200):
-            if receiver.messages:
-                break
-            await asyncio.sleep(0.05)
+        await said(receiver, 1, "a delivery after the worker's restart")
     assert len(made) >= 2
     assert len(receiver.messages) == 1 and p.prompt_id in receiver.messages[0]
 

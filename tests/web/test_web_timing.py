@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from broker import BadItem, Broker, Timing, events
-from tests.web.test_web_events import open_stream
+from tests.web.test_web_events import open_stream, said
 from web.app import create_app
 from web.settings import ApiSettings, Identity
 from web.testing import serving
@@ -345,15 +345,9 @@ async def test_webhooks_take_the_new_events_and_the_receiver_says_them(broker: B
         app = create_app(ApiSettings(tokens=(admin,), webhooks=(hook,)), broker=broker)
         async with serving(app):
             p = await broker.ask("t", "approval", [APPROVAL])
-            for _ in range(200):  # the opening first (deliveries are concurrent)
-                if receiver.messages:
-                    break
-                await asyncio.sleep(0.05)
+            await said(receiver, 1, "the opening")  # first (deliveries are concurrent)
             await escalate(broker, "t", p.prompt_id)
-            for _ in range(200):
-                if len(receiver.messages) == 3:
-                    break
-                await asyncio.sleep(0.05)
+            await said(receiver, 3, "the reminder and the escalation")
     link = f"http://inbox.example/#/threads/t/prompts/{p.prompt_id}"
     assert receiver.messages[0] == f"[t] a approval waits on you: answer at {link}"
     assert sorted(receiver.messages[1:]) == [  # sent together, so in either order
