@@ -257,11 +257,6 @@ async def listing(b: Broker, base: str, open_prompts: int, seconds: float) -> No
     print(f"  {done / took:.0f} requests/s over {took:.1f} s")
 
 
-def b_count(settings: Settings) -> int:
-    """The bucket count these settings give on one server (0 is auto: 1)."""
-    return settings.index_buckets or 1
-
-
 async def main(args: argparse.Namespace) -> None:
     exe = shutil.which("redis-server")
     if exe is None:
@@ -271,11 +266,11 @@ async def main(args: argparse.Namespace) -> None:
     with private_redis(exe, free_port()) as url, tempfile.TemporaryDirectory() as tmp:
         prefix = "bw" + uuid.uuid4().hex[:6]
         settings = Settings(key_prefix=prefix, index_buckets=args.buckets)
-        print(f"discovery index buckets: {b_count(settings)}")
         async with (
             Broker(Redis.from_url(url, decode_responses=True), settings, owns_client=True) as b,
             serve(url, prefix, Path(tmp), args.buckets) as (base, pid),
         ):
+            print(f"discovery index buckets: {b.keys.buckets}")
             await answers(b, base, args.rounds)
             if args.clients:
                 await fanout(b, base, pid, args.clients, args.fan_rounds)
