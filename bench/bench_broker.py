@@ -360,6 +360,9 @@ async def bench_wake(url: str, n: int, settle: float) -> None:
             for tag, surface, out in (("a", local, same), ("b", remote, apart)):
                 thread = f"wake-{tag}-{i + warmup:06d}"
                 await asker.sample(thread, surface.post, out if keep else None)
+                # The same pause before the floor's PUBLISH as before the wake's post (the
+                # wait's settling): each starts from an idle Redis and an idle loop alike.
+                await asyncio.sleep(settle)
                 floor_s = await floor.sample(payload, surface.publish)
                 if keep:
                     out.floor.append(floor_s)
