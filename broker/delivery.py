@@ -17,10 +17,9 @@ from arq.jobs import serialize_job
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from ulid import ULID
 
 from broker import _codec
-from broker._base import _UNREACHABLE, _new_id, _reaching
+from broker._base import _UNREACHABLE, _new_id, _reaching, now_ms
 from broker._waiter import Wake
 from broker.checks import _check_epoch, _epoch
 from broker.errors import (
@@ -98,7 +97,7 @@ class Delivery(Reads):
             raise PromptNotFound(thread_id, prompt_id)
         if wake["state"] == "cancelled":
             raise PromptCancelled(prompt_id, wake.get("reason") or "")
-        answers = [Answer.model_validate(a) for a in wake["answers"]]
+        answers = Answer.trusted(wake["answers"])
         if deliver and epoch is None:
             task = asyncio.create_task(self._deliver_later(tk, prompt_id))
             self._deliveries.add(task)
@@ -171,13 +170,13 @@ class Delivery(Reads):
         """Index a resolution: no longer open, its audit item unposted and its job enqueued."""
         member = self.keys.member(thread_id, prompt_id)
         pipe.zrem(self.indexes.open.key(thread_id), member)
-        pipe.zadd(self.indexes.audit.key(thread_id), {member: ULID().milliseconds})
+        pipe.zadd(self.indexes.audit.key(thread_id), {member: now_ms()})
         self._queue_audit_job(pipe, thread_id, prompt_id)
 
     def _queue_audit_job(self, pipe: Any, thread_id: str, prompt_id: str) -> None:
         """arq's enqueue_job, as one script in `pipe`: one job per prompt, whoever enqueues."""
         job_id = self.keys.audit_job_id(thread_id, prompt_id)
-        now = ULID().milliseconds
+        now = now_ms()
         job = serialize_job(AUDIT_JOB, (thread_id, prompt_id), {}, None, now)
         self._scripts.queue(
             pipe,

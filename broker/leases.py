@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from redis.asyncio import Redis
-from ulid import ULID
 
+from broker._base import new_ulid
 from broker._scripts import Scripts
 from broker.indexes import Indexes
 from broker.keys import Keys, ThreadKeys
@@ -106,7 +106,7 @@ class Leases:
     async def join(self, replica: str, ttl_ms: int) -> tuple[str, int, str]:
         """Start a new incarnation of `replica`, alive for `ttl_ms`: `(incarnation, deadline ms,
         the incarnation it supersedes or "")`. The superseded one is dead from now on."""
-        incarnation = str(ULID())
+        incarnation = new_ulid()
         reply = await self._beat("join", replica, incarnation, ttl_ms)
         return incarnation, int(reply[1]), str(reply[2]) if len(reply) > 2 else ""
 

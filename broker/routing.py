@@ -234,7 +234,7 @@ def _answered(item_id: str, prompt_id: str, answers: str, source: str, refusal: 
         outcome="answered",
         item_id=item_id,
         prompt_id=prompt_id,
-        answers=[Answer.model_validate(a) for a in orjson.loads(answers)],
+        answers=Answer.trusted(orjson.loads(answers)),
         source=source,
         refused_answers=refusal or None,
     )

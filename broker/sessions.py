@@ -22,8 +22,8 @@ import orjson
 from pydantic import BaseModel, ConfigDict
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from ulid import ULID
 
+from broker._base import _new_id, now_ms
 from broker._codec import body, ms_datetime
 from broker.errors import BadItem, BrokerUnavailable, Fenced, ThreadNotFound
 from broker.keys import check_thread_id
@@ -156,7 +156,7 @@ class Handover(NamedTuple):
 
 def delivery_token() -> str:
     """A new delivery attempt's token: a retry of that attempt reuses it."""
-    return f"dlv_{ULID()}"
+    return _new_id("dlv")
 
 
 class BrokerCore(LeaseCore, Protocol):
@@ -225,7 +225,7 @@ class Sessions(Leases):
         # (In one pipeline with the script, a server that had to load the script first would
         # run the script after the index write.)
         pipe = self._b.redis.pipeline(transaction=False)
-        pipe.zadd(self._b.indexes.leases.key(thread_id), {thread_id: ULID().milliseconds}, nx=True)
+        pipe.zadd(self._b.indexes.leases.key(thread_id), {thread_id: now_ms()}, nx=True)
         pipe.hgetall(tk.session)
         _, h = await pipe.execute()
         return _session(thread_id, h)
@@ -336,7 +336,7 @@ class Sessions(Leases):
         """
         tk = self._b.thread(thread_id)
         keys = [tk.session, tk.items] + ([tk.prompt(waited)] if waited else [])
-        item_id = f"itm_{ULID()}"
+        item_id = _new_id("itm")
         reply = await self._call(
             "interrupt",
             keys,
@@ -371,7 +371,7 @@ class Sessions(Leases):
         if grant is None or session.grant_raw is None:
             return None
         tk = self._b.thread(session.thread_id)
-        item_id = f"itm_{ULID()}"
+        item_id = _new_id("itm")
         text = f"✓ auto-approved `{grant.subject}`: an earlier answer approved the next call to it"
         meta = {
             "type": "approval_granted",
