@@ -30,6 +30,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from broker._batch import Coalescer
 from broker._scripts import Scripts, slot_map_error
 from broker._waiter import Waiter
 from broker.errors import BrokerClosed, BrokerError, BrokerUnavailable
@@ -136,6 +137,7 @@ class BrokerBase:
     keys: Keys
     identity: str
     _scripts: Scripts
+    _batch: Coalescer  # the hot path's commands, one pipeline per turn of the loop
     _waiter: Waiter
     _closed: bool
     _deliveries: set[asyncio.Task[None]]

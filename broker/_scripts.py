@@ -20,7 +20,10 @@ from redis.asyncio.cluster import ClusterPipeline
 from redis.exceptions import ClusterDownError, NoScriptError, RedisClusterException, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-__all__ = ["NAMES", "Script", "Scripts", "slot_map_error"]
+__all__ = ["NAMES", "Command", "Script", "Scripts", "raise_first", "slot_map_error", "stack_of"]
+
+#: One command as a pipeline holds it: its arguments, and the options redis-py routes it by.
+Command = tuple[tuple[Any, ...], dict[str, Any]]
 
 NAMES = (
     "ask",
@@ -99,12 +102,19 @@ class Scripts:
         except RedisClusterException as e:
             raise (slot_map_error(e) or e) from e
 
+    def _by_sha(self) -> dict[str, Script]:
+        return {s.sha: s for s in self.by_name.values()}
+
+    def command(self, name: str, keys: list[str], args: list[Any]) -> tuple[Any, ...]:
+        """The EVALSHA of script `name`, as a pipeline's command."""
+        script = self.by_name[name]
+        return ("EVALSHA", script.sha, len(keys), *keys, *args)
+
     def queue(self, pipe: Pipeline, name: str, keys: list[str], args: list[Any]) -> None:
         """Add a script call to a pipeline; `run_pipeline` retries it if the server lost it."""
-        script = self.by_name[name]
         # redis-py 5.x's cluster pipeline refuses `evalsha()`, not the command itself: it routes
         # EVALSHA by its keys like any other.
-        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        pipe.execute_command(*self.command(name, keys, args))
 
     async def run_pipeline(self, redis: Redis, pipe: Pipeline) -> list[Any]:
         """Execute a non-transactional pipeline of script calls and plain commands.
@@ -113,19 +123,35 @@ class Scripts:
         call again (in order) is exactly what the pipeline meant. Any other error is raised (a
         cluster client's missing slot map as `slot_map_error` says).
         """
+        results = await self.execute(redis, stack_of(pipe), pipe)
+        raise_first(results)
+        return results
+
+    async def execute(
+        self, redis: Redis, stack: list[Command], pipe: Pipeline | None = None
+    ) -> list[Any]:
+        """Run `stack` as one pipeline (`pipe`, when it already holds it); each command's reply,
+        or the error it got in its place. NOSCRIPT is repaired (the lost calls run again)."""
         try:
-            return await self._run_pipeline(redis, pipe)
+            return await self._execute(redis, stack, pipe)
         except RedisClusterException as e:
             raise (slot_map_error(e) or e) from e
 
-    async def _run_pipeline(self, redis: Redis, pipe: Pipeline) -> list[Any]:
-        stack = _stack(pipe)
+    async def _execute(
+        self, redis: Redis, stack: list[Command], pipe: Pipeline | None
+    ) -> list[Any]:
+        if pipe is None and len(stack) == 1:  # one command: no pipeline to set up
+            return [await self._execute_one(redis, *stack[0])]
+        if pipe is None:
+            pipe = redis.pipeline(transaction=False)
+            for args, options in stack:
+                pipe.execute_command(*args, **options)
         results: list[Any] = await pipe.execute(raise_on_error=False)
         lost = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
         if lost:
             # Load each lost script once, then run every refused call again in one pipeline
             # (in order): a pipeline of 10,000 renewals costs 2 more round trips, not 20,000.
-            by_sha = {s.sha: s for s in self.by_name.values()}
+            by_sha = self._by_sha()
             for sha in dict.fromkeys(str(stack[i][0][1]) for i in lost):
                 await redis.script_load(by_sha[sha].source)
             again = redis.pipeline(transaction=False)
@@ -133,13 +159,31 @@ class Scripts:
                 again.execute_command(*stack[i][0], **stack[i][1])
             for i, result in zip(lost, await again.execute(raise_on_error=False), strict=True):
                 results[i] = result
-        for result in results:
-            if isinstance(result, ResponseError | OSError):
-                raise result
         return results
 
+    async def _execute_one(
+        self, redis: Redis, args: tuple[Any, ...], options: dict[str, Any]
+    ) -> Any:
+        try:
+            return await redis.execute_command(*args, **options)  # type: ignore[no-untyped-call]
+        except NoScriptError:
+            await redis.script_load(self._by_sha()[str(args[1])].source)
+        except ResponseError as e:
+            return e
+        try:
+            return await redis.execute_command(*args, **options)  # type: ignore[no-untyped-call]
+        except ResponseError as e:
+            return e
 
-def _stack(pipe: Pipeline) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+
+def raise_first(results: list[Any]) -> None:
+    """Raise the first error a pipeline's replies hold (a reply error, or the connection's)."""
+    for result in results:
+        if isinstance(result, ResponseError | OSError):
+            raise result
+
+
+def stack_of(pipe: Pipeline) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
     """The pipeline's commands as (args, options): a cluster pipeline keeps them elsewhere."""
     if isinstance(pipe, ClusterPipeline):
         return [(tuple(c.args), dict(c.kwargs)) for c in pipe._command_stack]

@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 
 from broker import _codec, events
 from broker._base import _new_id, _reaching, now_ms
+from broker._batch import Coalescer
 from broker._cluster import OutageCluster, cluster_client
 from broker._scripts import Scripts
 from broker._sharded import ShardedBells
@@ -186,6 +187,7 @@ class Broker(Routing, Delivery, Timings):
         self.identity = self.settings.identity
         self._owns_client = owns_client
         self._scripts = Scripts(cluster=cluster)
+        self._batch = Coalescer(redis, self._scripts)
         self._pubsub_client = pubsub
         bells = pubsub or redis
         self._sharded = ShardedBells(redis) if isinstance(redis, RedisCluster) else None
@@ -273,6 +275,7 @@ class Broker(Routing, Delivery, Timings):
             for task in list(self._deliveries):
                 task.cancel()
         self._closed = True
+        await self._batch.aclose()
         await self._waiter.aclose()
         if self._sharded is not None:
             await self._sharded.aclose()
@@ -356,7 +359,7 @@ class Broker(Routing, Delivery, Timings):
             events.queue_event(
                 pipe, self.keys, events.OPENED, thread_id, prompt_id, kind=checked_kind
             )
-            (status, sid_or_epoch, *rest), _, _ = await self._scripts.run_pipeline(self.redis, pipe)
+            (status, sid_or_epoch, *rest), _, _ = await self._batch.run(pipe)
             superseded = rest[0] if rest else ""  # a fenced reply carries no third value
         except (RedisError, OSError) as e:
             return await self._ask_outcome_unknown(tk, prompt_id, e)

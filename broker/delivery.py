@@ -146,7 +146,7 @@ class Delivery(Reads):
             )
             self._queue_resolved(pipe, tk.thread_id, prompt_id)
             try:
-                (status, value), *_ = await self._scripts.run_pipeline(self.redis, pipe)
+                (status, value), *_ = await self._batch.run(pipe)
                 break
             except (RedisConnectionError, RedisTimeoutError, OSError) as e:
                 if attempt == 2:

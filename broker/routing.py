@@ -100,7 +100,7 @@ class Routing(BrokerBase):
             if self.settings.wait_replicas and not p.is_self:  # the broker's own: never answers
                 reply, replicas = await self._route_and_wait(tk, keys, args)
             else:
-                reply = await self._scripts.call(self.redis, "route", keys, args)
+                reply = await self._batch.call("route", keys, args)
         except (RedisConnectionError, RedisTimeoutError, OSError) as e:
             reply = await self._route_outcome_unknown(tk, item_id, keys, args, e)
         repeated = reply[0] == "repeat"

@@ -1,17 +1,182 @@
-"""The hot path's ids (broker/_base.py) and its pool check (broker/client.py)."""
+"""The hot path's coalescing (broker/_batch.py), its ids (broker/_base.py) and its pool check
+(broker/client.py): many callers in one turn share a round trip, and each still gets exactly
+what a pipeline of its own would have given it."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from ulid import ULID
 
-from broker import Broker, Settings, _base
+from broker import Broker, PromptUnavailable, Settings, _base
+from broker._batch import Coalescer
+from broker._scripts import Scripts
+from tests.conftest import BrokerFactory
 
 APPROVAL = {"question": "Deploy?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
+
+
+class Counting(Scripts):
+    """Scripts that count the pipelines they send (each one round trip)."""
+
+    def __init__(self, scripts: Scripts) -> None:
+        self.by_name = scripts.by_name
+        self.sent: list[int] = []
+
+    async def execute(self, redis: Redis, stack: Any, pipe: Any = None) -> list[Any]:
+        self.sent.append(len(stack))
+        return await super().execute(redis, stack, pipe)
+
+
+def counting(b: Broker) -> Counting:
+    scripts = Counting(b._scripts)
+    b._batch = Coalescer(b.redis, scripts)
+    return scripts
+
+
+async def test_asks_and_answers_at_once_share_round_trips(make_broker: BrokerFactory) -> None:
+    """Forty threads asking, then answering, at once: far fewer round trips than calls, and
+    every thread's prompt is its own, answered with its own words."""
+    b = await make_broker()
+    threads = [f"t{i}" for i in range(40)]
+    # The first ask on a thread waits for its bell's subscription, and those are confirmed one
+    # at a time: the asks then go out one by one. Measured on the threads' second prompts.
+    for t in threads:
+        await b.ask(t, "approval", [APPROVAL])
+    sent = counting(b)
+    prompts = await asyncio.gather(*(b.ask(t, "approval", [APPROVAL]) for t in threads))
+    asked = len(sent.sent)
+    words = ["yes" if i % 2 else "no" for i in range(40)]
+    routed = await asyncio.gather(
+        *(
+            b.post_item(t, {"content": [{"type": "text", "text": w}]})
+            for t, w in zip(threads, words, strict=True)
+        )
+    )
+    answered = len(sent.sent) - asked
+    assert asked < 10 and answered < 10, (asked, answered)
+    for p, t, w, r in zip(prompts, threads, words, routed, strict=True):
+        assert p.thread_id == t
+        assert (r.outcome, r.prompt_id) == ("answered", p.prompt_id)
+        assert r.answers is not None and r.answers[0].answer == [
+            "Approve" if w == "yes" else "Deny"
+        ]
+        got = await b.get_prompt(t, p.prompt_id)
+        assert got.state == "answered" and got.answers == r.answers
+
+
+async def test_a_lone_call_goes_out_at_once(make_broker: BrokerFactory) -> None:
+    """With nothing else in flight a call is sent from its own task, in the turn it was made:
+    nothing is queued for a later turn."""
+    b = await make_broker()
+    sent = counting(b)
+    call = asyncio.ensure_future(b.ask("alone", "approval", [APPROVAL]))
+    await asyncio.sleep(0)  # the ask's first step: its checks and its send
+    assert b._batch._queued == [] and not b._batch._flushing
+    await call
+    assert sent.sent == [3]  # the script, the index, the event: one pipeline
+
+
+async def test_one_callers_error_is_its_own(make_broker: BrokerFactory) -> None:
+    """A command refused in a shared batch raises for its caller only; the others' replies are
+    theirs and right."""
+    b = await make_broker()
+    good = [b._batch.submit([(("SET", f"{b.keys.prefix}:k{i}", str(i)), {})]) for i in range(5)]
+    bad = b._batch.submit(
+        [(("INCR", f"{b.keys.prefix}:k0"), {}), (("LPUSH", f"{b.keys.prefix}:k1", "x"), {})]
+    )
+    b._batch._busy += 1  # as if a batch were in flight: these queue for one pipeline
+    try:
+        results = await asyncio.gather(*good, bad, return_exceptions=True)
+    finally:
+        b._batch._busy -= 1
+    assert results[:5] == [[True]] * 5
+    assert isinstance(results[5], ResponseError)
+    assert await b.redis.get(f"{b.keys.prefix}:k0") == "1"  # its INCR ran: a pipeline, not MULTI
+
+
+async def test_lost_scripts_are_loaded_again_in_a_batch(
+    make_broker: BrokerFactory, backend: str
+) -> None:
+    """After the server forgot its scripts (SCRIPT FLUSH), a batch of asks loads them once and
+    every ask is made, once."""
+    if backend == "cluster":
+        pytest.skip("SCRIPT FLUSH reaches one node here; the cluster's own test flushes them all")
+    b = await make_broker()
+    await b.ask("warm", "approval", [APPROVAL])
+    await b.redis.script_flush()
+    prompts = await asyncio.gather(*(b.ask(f"s{i}", "approval", [APPROVAL]) for i in range(10)))
+    for i, p in enumerate(prompts):
+        assert (await b.get_prompt(f"s{i}", p.prompt_id)).state == "pending"
+        entries = await b.redis.xrange(b.thread(f"s{i}").items)
+        assert len(entries) == 1
+
+
+async def test_a_failed_batch_fails_each_of_its_callers(make_broker: BrokerFactory) -> None:
+    """The connection failing under a shared batch: every caller in it gets that error (an ask
+    then says the prompt could not be asked), none a reply of another, none hangs."""
+    b = await make_broker()
+
+    class Broken(Scripts):
+        async def execute(self, redis: Redis, stack: Any, pipe: Any = None) -> list[Any]:
+            await asyncio.sleep(0)
+            raise RedisConnectionError("the connection dropped")
+
+    broken = Broken()
+    broken.by_name = b._scripts.by_name
+    b._batch = Coalescer(b.redis, broken)
+    b._batch._busy += 1
+    try:
+        raw = await asyncio.gather(
+            *(b._batch.submit([(("SET", f"{b.keys.prefix}:x{i}", "v"), {})]) for i in range(4)),
+            return_exceptions=True,
+        )
+        asks = await asyncio.gather(
+            *(b.ask(f"f{i}", "approval", [APPROVAL]) for i in range(4)), return_exceptions=True
+        )
+    finally:
+        b._batch._busy -= 1
+    assert all(isinstance(r, RedisConnectionError) for r in raw), raw
+    assert all(isinstance(r, PromptUnavailable) for r in asks), asks
+    assert await b.redis.exists(*(f"{b.keys.prefix}:x{i}" for i in range(4))) == 0
+
+
+async def test_a_cancelled_caller_does_not_stop_its_batch(make_broker: BrokerFactory) -> None:
+    """A caller cancelled while its batch is queued: the batch still runs (its commands with it,
+    as a sent pipeline would), and the others get their replies."""
+    b = await make_broker()
+    b._batch._busy += 1
+    try:
+        calls = [
+            asyncio.ensure_future(b._batch.submit([(("SET", f"{b.keys.prefix}:c{i}", "v"), {})]))
+            for i in range(4)
+        ]
+        await asyncio.sleep(0)
+        calls[1].cancel()
+        done = await asyncio.gather(*calls, return_exceptions=True)
+    finally:
+        b._batch._busy -= 1
+    assert isinstance(done[1], asyncio.CancelledError)
+    assert [done[i] for i in (0, 2, 3)] == [[True]] * 3
+    assert await b.redis.exists(*(f"{b.keys.prefix}:c{i}" for i in range(4))) == 4
+
+
+async def test_closing_waits_for_batches_in_flight(make_broker: BrokerFactory) -> None:
+    """aclose() lets a queued batch finish: nothing queued is dropped on the floor."""
+    b = await make_broker()
+    b._batch._busy += 1
+    call = asyncio.ensure_future(b._batch.submit([(("SET", f"{b.keys.prefix}:late", "v"), {})]))
+    await asyncio.sleep(0)
+    b._batch._busy -= 1
+    await b.aclose()
+    assert await call == [True]
+    assert await b.redis.get(f"{b.keys.prefix}:late") == "v"
 
 
 # -- ids -----------------------------------------------------------------------------------------
