@@ -95,14 +95,15 @@ class Coalescer:
             results = await self._scripts.execute(
                 self._redis, [c for commands, _ in batch for c in commands]
             )
-        except BaseException as e:  # the connection failed, or the batch was cancelled
-            failure = e if isinstance(e, Exception) else asyncio.CancelledError()
+        except Exception as e:  # the connection failed: each caller learns it
             for _, done in batch:
                 if not done.done():
-                    done.set_exception(failure)
-            if not isinstance(e, Exception):
-                raise
+                    done.set_exception(e)
             return
+        except BaseException:  # the batch itself was cancelled (the loop is closing)
+            for _, done in batch:
+                done.cancel()
+            raise
         finally:
             self._busy -= 1
         at = 0

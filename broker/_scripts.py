@@ -177,9 +177,10 @@ class Scripts:
 
 
 def raise_first(results: list[Any]) -> None:
-    """Raise the first error a pipeline's replies hold (a reply error, or the connection's)."""
+    """Raise the first error a pipeline's replies hold: a reply error, or the connection's (a
+    cluster pipeline gives a node's connection error as its commands' replies)."""
     for result in results:
-        if isinstance(result, ResponseError | OSError):
+        if isinstance(result, Exception):
             raise result
 
 
