@@ -10,7 +10,6 @@ reads (broker/reads.py), waiting and delivery (broker/delivery.py), routing what
 from __future__ import annotations
 
 import asyncio
-import base64
 import functools
 import os
 import threading
@@ -85,35 +84,46 @@ def _reaching(
     return decorate
 
 
-#: RFC 4648 base32 to Crockford's, the alphabet of a ULID.
-_CROCKFORD = bytes.maketrans(
-    b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", b"0123456789ABCDEFGHJKMNPQRSTVWXYZ"
-)
+#: Every pair of Crockford base32 digits (the alphabet of a ULID), by the 10 bits it encodes.
+_PAIRS = [
+    a + b for a in "0123456789ABCDEFGHJKMNPQRSTVWXYZ" for b in "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+]
 
 
 class _Ulids:
     """New ULIDs (48 bits of ms time, 80 random), strictly increasing within the process, as
-    python-ulid makes them (`ULID()`), in a few C calls instead of its objects: an id is
-    minted on every ask and post, where each microsecond is the person's."""
+    python-ulid makes them (`ULID()`), in a handful of lookups instead of its objects: an id is
+    minted on every ask and post, on the person's path."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ms = self._random = 0
+        self._time = _PAIRS[0] * 5  # the encoded `_ms`
 
     def __call__(self) -> str:
         ms = time.time_ns() // 1_000_000
         with self._lock:
             if ms > self._ms:
                 self._ms, self._random = ms, int.from_bytes(os.urandom(10), "big")
+                self._time = "".join(_PAIRS[(ms >> s) & 1023] for s in (40, 30, 20, 10, 0))
             else:  # the same millisecond, or the clock stepped back: the next one up
                 self._random += 1
-                if self._random >> 80:
+                if self._random >> 80:  # all 80 bits used up in one ms: borrow the next ms
                     self._ms, self._random = self._ms + 1, 0
-            value = self._ms << 80 | self._random
-        # 26 characters of 5 bits, the first two bits zero: base32 of the 130 bits, shifted
-        # to the top of 17 bytes.
-        encoded = base64.b32encode((value << 6).to_bytes(17, "big"))
-        return encoded[:26].translate(_CROCKFORD).decode()
+                    ms = self._ms
+                    self._time = "".join(_PAIRS[(ms >> s) & 1023] for s in (40, 30, 20, 10, 0))
+            r, encoded = self._random, self._time
+        return (
+            encoded
+            + _PAIRS[r >> 70]
+            + _PAIRS[(r >> 60) & 1023]
+            + _PAIRS[(r >> 50) & 1023]
+            + _PAIRS[(r >> 40) & 1023]
+            + _PAIRS[(r >> 30) & 1023]
+            + _PAIRS[(r >> 20) & 1023]
+            + _PAIRS[(r >> 10) & 1023]
+            + _PAIRS[r & 1023]
+        )
 
 
 new_ulid = _Ulids()

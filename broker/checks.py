@@ -116,8 +116,9 @@ def _check_item(item: Mapping[str, Any] | BaseModel, identity: str) -> _CheckedI
     data = item.model_dump() if isinstance(item, BaseModel) else item
     if not isinstance(data, Mapping):
         raise BadItem("item", f"expected an object, got {type(data).__name__}")
-    unknown = sorted((k for k in data if k not in _ITEM_KEYS), key=repr)
+    unknown = [k for k in data if k not in _ITEM_KEYS]
     if unknown:
+        unknown.sort(key=repr)
         name = unknown[0] if isinstance(unknown[0], str) else repr(unknown[0])
         raise BadItem(
             _key_path("item", _check_text(name, "item")),
@@ -228,12 +229,15 @@ def _key_path(field: str, key: str) -> str:
 def _check_json(value: object, field: str, depth: int = 0) -> None:
     """Everything in `value` can be stored as JSON, or BadItem names the first place it cannot
     (instead of the encoder's error, which names no field)."""
-    if depth > LIMITS["depth"]:
-        raise BadItem(field, f"nested more than {LIMITS['depth']} levels deep")
+    limit = LIMITS["depth"]
+    if depth > limit:
+        raise BadItem(field, f"nested more than {limit} levels deep")
     if isinstance(value, Mapping):
         for key, inner in value.items():
             if not isinstance(key, str):
                 raise BadItem(field, f"the key {key!r} is not a string")
+            if type(inner) is str and key.isascii() and inner.isascii() and depth < limit:
+                continue  # the common leaf, and nothing in it to name: no path to build
             path = _key_path(field, key)
             _check_text(key, path)
             _check_json(inner, path, depth + 1)

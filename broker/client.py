@@ -69,7 +69,7 @@ try:
 except ImportError:  # an older hiredis, or none: redis-py packs as usual
     _hiredis_pack = None
 
-_PLAIN = (str, bytes, int)  # by exact type: a bool or a float goes the usual way
+_PLAIN = frozenset((str, bytes, int))  # by exact type: a bool or a float goes the usual way
 
 
 class _HiredisPacking(AbstractConnection):
@@ -84,7 +84,7 @@ class _HiredisPacking(AbstractConnection):
             _hiredis_pack is not None
             and e.encoding == "utf-8"
             and e.encoding_errors == "strict"
-            and all(type(a) in _PLAIN for a in args)
+            and _PLAIN.issuperset(map(type, args))
             and " " not in str(args[0])
         ):
             return [_hiredis_pack(args)]

@@ -31,7 +31,7 @@ from broker.errors import (
     PromptNotFound,
 )
 from broker.keys import ThreadKeys, check_prompt_id
-from broker.models import Answer
+from broker.models import ANSWERS, Answer
 from broker.reads import Reads
 
 __all__ = ["AUDIT_JOB", "Delivery"]
@@ -97,7 +97,7 @@ class Delivery(Reads):
             raise PromptNotFound(thread_id, prompt_id)
         if wake["state"] == "cancelled":
             raise PromptCancelled(prompt_id, wake.get("reason") or "")
-        answers = Answer.trusted(wake["answers"])
+        answers = ANSWERS.validate_python(wake["answers"])
         if deliver and epoch is None:
             task = asyncio.create_task(self._deliver_later(tk, prompt_id))
             self._deliveries.add(task)

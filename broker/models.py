@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 __all__ = [
     "Answer",
@@ -68,12 +68,9 @@ class Answer(_Wire):
     question: str
     answer: list[str]
 
-    @classmethod
-    def trusted(cls, answers: list[dict[str, Any]]) -> list[Answer]:
-        """Answers as the scripts wrote them ({question, answer: [str, ...]}: already checked,
-        built in Lua from checked parts), made without validating each again: on the path from
-        a person's post to the agent's wake."""
-        return [cls.model_construct(question=a["question"], answer=a["answer"]) for a in answers]
+
+#: A list of answers, validated in one call (the wake's path: a wait returning them).
+ANSWERS: TypeAdapter[list[Answer]] = TypeAdapter(list[Answer])
 
 
 class PendingPromptPayload(_Wire):

@@ -5,11 +5,13 @@ what a pipeline of its own would have given it."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from ulid import ULID
@@ -104,13 +106,15 @@ async def test_one_callers_error_is_its_own(make_broker: BrokerFactory) -> None:
 async def test_lost_scripts_are_loaded_again_in_a_batch(
     make_broker: BrokerFactory, backend: str
 ) -> None:
-    """After the server forgot its scripts (SCRIPT FLUSH), a batch of asks loads them once and
-    every ask is made, once."""
-    if backend == "cluster":
-        pytest.skip("SCRIPT FLUSH reaches one node here; the cluster's own test flushes them all")
+    """After the server forgot its scripts (SCRIPT FLUSH: on a cluster, on every primary), a
+    batch of asks loads them again and every ask is made, once."""
     b = await make_broker()
     await b.ask("warm", "approval", [APPROVAL])
-    await b.redis.script_flush()
+    if backend == "cluster":
+        await b.redis.execute_command("SCRIPT FLUSH", target_nodes=RedisCluster.PRIMARIES)  # type: ignore[no-untyped-call]
+    else:
+        await b.redis.script_flush()
+    assert await b.redis.script_exists(b._scripts.by_name["ask"].sha) == [False]
     prompts = await asyncio.gather(*(b.ask(f"s{i}", "approval", [APPROVAL]) for i in range(10)))
     for i, p in enumerate(prompts):
         assert (await b.get_prompt(f"s{i}", p.prompt_id)).state == "pending"
@@ -194,6 +198,17 @@ def test_new_ids_are_ulids_of_now() -> None:
     assert before <= parsed.milliseconds <= after
 
 
+def test_new_ids_encode_as_python_ulid_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For any time and randomness, the id's text is python-ulid's for the same 128 bits."""
+    rng = random.Random(7)
+    for _ in range(2000):
+        ms, noise = rng.getrandbits(48), rng.getrandbits(80).to_bytes(10, "big")
+        monkeypatch.setattr(_base.time, "time_ns", lambda ms=ms: ms * 1_000_000)
+        monkeypatch.setattr(_base.os, "urandom", lambda n, noise=noise: noise)
+        expected = ULID.from_int(ms << 80 | int.from_bytes(noise, "big"))
+        assert _base._Ulids()() == str(expected)
+
+
 def test_new_ids_strictly_increase_within_a_millisecond_and_when_the_clock_steps_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -243,3 +258,35 @@ async def test_a_connection_the_server_closed_is_made_again(
         await asyncio.sleep(0.05)  # its end of stream has arrived
         assert await b.redis.ping() is True
         assert await b.redis.client_id() != victim
+
+
+def test_hiredis_packing_writes_the_bytes_redis_py_writes() -> None:
+    """The Broker's connections pack commands with hiredis: byte for byte what redis-py's own
+    packer writes, whatever the arguments (others than str, bytes and int go redis-py's way)."""
+    from redis.asyncio.connection import Connection
+
+    from broker.client import _fast_packing
+
+    fast = _fast_packing(Redis()).connection_pool.make_connection()
+    plain = Connection()
+    cases: list[tuple[Any, ...]] = [
+        ("EVALSHA", "ab" * 20, 2, "pp:{t}:items", "pp:{t}:active", "", "é✓ 𝄞", b"\x00\xff", -7),
+        ("SET", "k", 2**63 - 1),
+        ("ZADD", "k", 1.5, "m"),  # a float
+        ("SET", "k", memoryview(b"mv")),
+        ("CLIENT SETNAME", "x"),  # a command name with a space
+        ("GET", "k" * 100_000),  # large enough for redis-py to write it apart
+    ]
+    for args in cases:
+        assert b"".join(fast.pack_command(*args)) == b"".join(plain.pack_command(*args)), args
+
+
+def test_any_error_among_a_pipelines_replies_is_raised() -> None:
+    """A reply error and a connection error given as a reply (a cluster pipeline gives a failed
+    node's error so, for each of its commands) are both raised, never handed over as a reply."""
+    from broker._scripts import raise_first
+
+    raise_first([1, "OK", None, []])
+    for error in (ResponseError("WRONGTYPE"), RedisConnectionError("node down")):
+        with pytest.raises(type(error)):
+            raise_first([1, error, "OK"])
