@@ -238,9 +238,9 @@ class Asker:
         waiter = self.broker._waiter
         resolve = waiter._resolve
 
-        def noting_resolve(wake: dict[str, Any]) -> None:
+        def noting_resolve(wake: dict[str, Any]) -> bool:
             self.heard.setdefault(wake.get("prompt_id", ""), time.perf_counter())
-            resolve(wake)
+            return resolve(wake)
 
         waiter._resolve = noting_resolve  # type: ignore[method-assign]
 

@@ -275,8 +275,11 @@ class Waiter:
                     await self._subscribe_now(list(self._channels))
                     continue
                 msg = await ps.get_message(ignore_subscribe_messages=False, timeout=_READ_FOR)
-                if msg is not None:
-                    await self._handle(msg)
+                if msg is not None and await self._handle(msg) and not _more_received(ps):
+                    # A wait was just given its answer and no other bell is in: let it run
+                    # before this task reads on (redis-py's next read would come first, on
+                    # the wake's path). With more in, they are read first, all in this turn.
+                    await asyncio.sleep(0)
                 failures = 0
             except asyncio.CancelledError:
                 raise
@@ -289,7 +292,8 @@ class Waiter:
                     await self._drop_connection(ps)
                 await asyncio.sleep(delay)
 
-    async def _handle(self, msg: dict[str, Any]) -> None:
+    async def _handle(self, msg: dict[str, Any]) -> bool:
+        """True when the message woke a wait."""
         kind, channel = msg["type"], msg["channel"]
         ch = self._channels.get(channel)
         if kind == "subscribe" and ch is not None:
@@ -306,9 +310,11 @@ class Waiter:
                 wake: Wake = orjson.loads(msg["data"])
             except orjson.JSONDecodeError:
                 logger.warning("waiter.bad_message", extra={"channel": channel})
-                return
-            self._resolve(wake)
+                return False
+            woke = self._resolve(wake)
             self._notify(channel, wake)
+            return woke
+        return False
 
     def _notify(self, channel: str, wake: Wake) -> None:
         for listener in list(self._listeners.get(channel, ())):
@@ -317,19 +323,23 @@ class Waiter:
             except Exception:
                 logger.exception("waiter.listener_failed", extra={"channel": channel})
 
-    def _resolve(self, wake: Wake) -> None:
+    def _resolve(self, wake: Wake) -> bool:
+        """Hand `wake` to the waits on its prompt; True when one was waiting."""
         prompt_id = wake.get("prompt_id", "")
         if wake.get("state") not in ("answered", "cancelled", "missing"):  # missing: from reads
-            return
+            return False
         if prompt_id in self._expected:
             channel, generation, _ = self._expected[prompt_id]
             self._expected[prompt_id] = (channel, generation, wake)
         w = self._waits.get(prompt_id)
         if w is None:
-            return
+            return False
+        woke = False
         for fut in w.futures:
             if not fut.done():
                 fut.set_result(wake)
+                woke = True
+        return woke
 
     async def _reread(self, pairs: Iterable[tuple[str, str]]) -> None:
         pairs = list(pairs)
@@ -378,6 +388,18 @@ class Waiter:
             w.futures.remove(fut)
         if not w.futures:
             del self._waits[prompt_id]
+
+
+def _more_received(ps: PubSub) -> bool:
+    """Whether more has arrived on `ps`'s connection than was read (True when unsure)."""
+    conn = ps.connection
+    stream = getattr(conn, "_reader", None)
+    reader = getattr(getattr(conn, "_parser", None), "_reader", None)
+    has_data = getattr(reader, "has_data", None)
+    buffered = getattr(stream, "_buffer", None)
+    if buffered is None or not callable(has_data):
+        return True
+    return bool(buffered) or bool(has_data())
 
 
 async def _close(ps: PubSub) -> None:
