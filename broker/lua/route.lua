@@ -198,11 +198,21 @@ if not answers then
 end
 
 local encoded = json_answers(questions, answers)
-add_item()
-redis.call('HSET', prompt, 'state', 'answered', 'answers', encoded, 'source', source,
-  'answer_item', ARGV[1], 'resolved', now_ms(), 'by', ARGV[2])
-if ARGV[15] ~= nil and ARGV[15] ~= '' then redis.call('HSET', prompt, 'via', ARGV[15]) end
-if raw then redis.call('HSET', prompt, 'text', raw) end
+-- The answer's item id is the server's time of the answer (XADD '*'): no TIME call. Each
+-- redis.call costs a few microseconds, and an answer's step is on the person's path to the
+-- agent's wake, so the record is written in one HSET.
+local resolved = string.match(add_item(), '^(%d+)')
+local record = {'state', 'answered', 'answers', encoded, 'source', source,
+  'answer_item', ARGV[1], 'resolved', resolved, 'by', ARGV[2]}
+if ARGV[15] ~= nil and ARGV[15] ~= '' then
+  record[#record + 1] = 'via'
+  record[#record + 1] = ARGV[15]
+end
+if raw then
+  record[#record + 1] = 'text'
+  record[#record + 1] = raw
+end
+redis.call('HSET', prompt, unpack(record))
 redis.call('DEL', KEYS[2])
 redis.call('PUBLISH', ARGV[11], '{"prompt_id":' .. cjson.encode(active)
   .. ',"state":"answered","answers":' .. encoded .. '}')
