@@ -6,7 +6,10 @@ One run, on a private redis-server started here (no persistence) and stopped by 
    returns (its delivery recorded), `--threads` of them at once, in one process;
 2. the floor: the same writes as two bare Lua calls, the first adding the prompt's hash, its
    stream entry and the thread's pointer to it, the second resolving the hash, dropping the
-   pointer and PUBLISHing the answer to a subscriber that receives it, as many at once;
+   pointer and PUBLISHing the answer to a subscriber that receives it, as many at once (each
+   call its own round trip, as a plain redis-py client sends it: the targets' floor);
+   and, for reference, the same floor with the calls of one turn of the loop coalesced into
+   one pipeline, as the Broker sends its own (broker/_batch.py);
 3. wake latency beside the PUBLISH -> receive floor (bench_broker.py's `--only wake` figure).
 
 For 1 and 2: the server's CPU per lifecycle (INFO cpu: used_cpu_user + used_cpu_sys deltas),
@@ -40,6 +43,7 @@ from private_redis import free_port, private_redis
 from redis.asyncio import Redis
 
 from broker import Broker, Settings
+from broker._batch import Coalescer
 from broker._codec import pending_body
 from broker._scripts import Scripts
 
@@ -208,10 +212,13 @@ def broker_driver(b: Broker, prefix: str) -> Driver:
 
 
 class Floor:
-    """Two bare Lua calls per lifecycle, and one subscriber hearing the bell."""
+    """Two bare Lua calls per lifecycle, and one subscriber hearing the bell. `coalesced`: the
+    calls made in one turn of the loop go out as one pipeline, as the Broker's do (for
+    reference: the target's floor is the plain one)."""
 
-    def __init__(self, url: str, prefix: str, threads: int) -> None:
+    def __init__(self, url: str, prefix: str, threads: int, coalesced: bool = False) -> None:
         self.r, self.sub = _client(url), _client(url)
+        self.batch = Coalescer(self.r, Scripts()) if coalesced else None
         self.prefix, self.threads = prefix, threads
         self.pubsub = self.sub.pubsub()
         self.heard: dict[str, asyncio.Future[None]] = {}
@@ -250,9 +257,9 @@ class Floor:
         for _ in range(count):
             prompt_id, item_id = f"prm_{uuid.uuid4().hex}", f"itm_{uuid.uuid4().hex}"
             keys = [base + "items", base + "prompt:" + prompt_id, base + "active"]
-            await self.r.evalsha(self.sha_ask, 3, *keys, item_id, "bench", self.body, prompt_id)  # type: ignore[misc]
+            await self.evalsha(self.sha_ask, 3, *keys, item_id, "bench", self.body, prompt_id)
             fut = self.heard[channel] = asyncio.get_running_loop().create_future()
-            await self.r.evalsha(  # type: ignore[misc]
+            await self.evalsha(
                 self.sha_answer,
                 2,
                 keys[1],
@@ -262,6 +269,12 @@ class Floor:
                 self.answer,
             )
             await bounded(fut, "the floor's bell")
+
+    async def evalsha(self, *args: Any) -> Any:
+        if self.batch is None:
+            return await self.r.evalsha(*args)  # type: ignore[misc]
+        (reply,) = await self.batch.submit([(("EVALSHA", *args), {})])
+        return reply
 
     async def drive(self, n: int, threads: int) -> None:
         counts = [n // threads + (i < n % threads) for i in range(threads)]
@@ -317,6 +330,20 @@ def print_runs(real: Run, floor: Run, threads: int, top: int) -> None:
             print(f"     {name:24} {u:8.1f} us")
 
 
+def print_reference(real: Run, coalesced: Run) -> None:
+    """The Broker beside the floor sent as it sends (not a target: what coalescing leaves)."""
+    print(
+        "\n   for reference, the floor's calls coalesced as the Broker's are "
+        "(one pipeline per turn of the loop):"
+    )
+    rows = [
+        ("Redis CPU per lifecycle (INFO cpu)", real.cpu_us, coalesced.cpu_us, "us"),
+        ("throughput (lifecycles/s)", real.rate, coalesced.rate, ""),
+    ]
+    for label, a, b, unit in rows:
+        print(f"   {label:38} {a:9,.1f} {unit:2} {b:9,.1f} {unit:2} {a / b:7.2f}x")
+
+
 # -- main --------------------------------------------------------------------------------------
 
 
@@ -358,17 +385,25 @@ async def run(args: argparse.Namespace, url: str) -> None:
     names: dict[str, Any] = {s.sha: s.name for s in Scripts().by_name.values()}
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     floor = Floor(url, prefix + "-floor", args.threads)
+    coalesced = Floor(url, prefix + "-coalesced", args.threads, coalesced=True)
     await floor.start()
+    await coalesced.start()
     names[floor.sha_ask], names[floor.sha_answer] = "floor_ask", "floor_answer"
     try:
         async with Broker.from_url(url, Settings(key_prefix=prefix)) as b:  # as deployed
-            drivers = {"Broker": broker_driver(b, prefix), "floor": floor.drive}
-            real, bare = await measure(
+            drivers = {
+                "Broker": broker_driver(b, prefix),
+                "floor": floor.drive,
+                "floor, coalesced": coalesced.drive,
+            }
+            real, bare, bare_coalesced = await measure(
                 url, drivers, args.lifecycles, args.threads, names, args.rounds
             )
     finally:
         await floor.aclose()
+        await coalesced.aclose()
     print_runs(real, bare, args.threads, args.top)
+    print_reference(real, bare_coalesced)
     if args.wake:
         await bench_wake(url, args.wake, args.settle_ms / 1000)
 
