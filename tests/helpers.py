@@ -12,6 +12,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from redis.asyncio.cluster import RedisCluster
+
 from broker import Item
 
 T = TypeVar("T")
@@ -192,3 +194,26 @@ async def drop_indexes(broker: Any, *names: str) -> None:
     for name in names:
         for key in _index(broker, name).all_keys():
             await broker.redis.delete(key)
+
+
+async def numsub(client: Any, channel: str) -> int:
+    """Subscribers of `channel`; on a cluster (sharded bells) those on the node owning it."""
+    if isinstance(client, RedisCluster):
+        await client.initialize()  # the slot map (a no-op once made)
+        node = client.get_node_from_key(channel)
+        [(_, n)] = await client.execute_command("PUBSUB SHARDNUMSUB", channel, target_nodes=node)
+        return int(n)
+    [(_, n)] = await client.pubsub_numsub(channel)
+    return int(n)
+
+
+async def kill_pubsub(client: Any) -> int:
+    """CLIENT KILL TYPE pubsub: on one server, or on every node of a cluster. How many died."""
+    if not isinstance(client, RedisCluster):
+        return int(await client.execute_command("CLIENT", "KILL", "TYPE", "pubsub"))
+    await client.initialize()
+    killed = 0
+    for node in client.get_nodes():
+        command = ("CLIENT", "KILL", "TYPE", "pubsub")
+        killed += int(await client.execute_command(*command, target_nodes=node))
+    return killed

@@ -20,11 +20,10 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
 
 from broker import Broker, BrokerUnavailable, Settings
 from tests.conftest import BrokerFactory, RedisServer
-from tests.helpers import began_waiting, text, until
+from tests.helpers import began_waiting, numsub, text, until
 
 APPROVAL = {"question": "Deploy?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
 NEVER = 3600.0  # a sweep interval far beyond every test's time limit
@@ -46,17 +45,6 @@ async def no_loop_errors(seen: list[dict[str, Any]]) -> None:
     gc.collect()  # an unretrieved task exception is reported when the task is collected
     await asyncio.sleep(0)
     assert [c.get("message") for c in seen] == []
-
-
-async def numsub(client: Redis, channel: str) -> int:
-    """Subscribers of `channel`; on a cluster (sharded bells) those on the node owning it."""
-    if isinstance(client, RedisCluster):
-        await client.initialize()  # the slot map (a no-op once made)
-        node = client.get_node_from_key(channel)
-        [(_, n)] = await client.execute_command("PUBSUB SHARDNUMSUB", channel, target_nodes=node)
-        return int(n)
-    [(_, n)] = await client.pubsub_numsub(channel)
-    return int(n)
 
 
 # -- the read after subscribing ----------------------------------------------------------

@@ -33,7 +33,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from broker import Broker, Item, Prompt, Session, Settings
 from tests import helpers
 from tests.conftest import OnCluster, RedisServer, delete_prefix
-from tests.helpers import outputs, text
+from tests.helpers import kill_pubsub, numsub, outputs, text
 from workers.runtime.fleet import Fleet
 
 pytestmark = pytest.mark.real_redis
@@ -427,11 +427,12 @@ async def test_sigkill_replica_holding_waits(
 
 
 async def test_pubsub_killed_between_resolve_and_delivery(
-    server: RedisServer, tmp_path: Path
+    where: RedisServer | OnCluster, tmp_path: Path
 ) -> None:
-    """CLIENT KILL of every replica's pub/sub connection, answers posted at once: every held wait
-    still completes in place, each answer delivered and audited exactly once."""
-    async with running_fleet(server, tmp_path, workers=2) as rig:
+    """CLIENT KILL of every replica's pub/sub connection (on a cluster: its sharded one on every
+    node), answers posted at once: every held wait still completes in place, each answer
+    delivered and audited exactly once."""
+    async with running_fleet(where, tmp_path, workers=2) as rig:
         b = rig.b
         threads = [f"bell{i}" for i in range(6)]
         await start_threads(b, threads)
@@ -439,11 +440,10 @@ async def test_pubsub_killed_between_resolve_and_delivery(
         wakes = [b.thread(t).wake for t in threads]
 
         async def listened() -> bool:  # every held wait's bell has its subscriber
-            return all(n >= 1 for _, n in await b.redis.pubsub_numsub(*wakes))
+            return all([await numsub(b.redis, w) >= 1 for w in wakes])
 
         await until(listened, 10, "every held wait to subscribe")
-        kill = b.redis.execute_command("CLIENT", "KILL", "TYPE", "pubsub")  # type: ignore[no-untyped-call]
-        killed = int(await kill)
+        killed = await kill_pubsub(b.redis)
         assert killed >= 2, f"killed {killed} pub/sub connections"
         approve = {t: i % 2 == 1 for i, t in enumerate(threads)}
         # Answer at once: most bells ring while the replicas reconnect, heard by nobody.

@@ -1,7 +1,7 @@
 """The timekeeper (workers/runtime/timekeeper.py) carries out timings: reminders and escalation
 as events, the deadline as a cancel with reason `expired`; each once across audit workers, on
-server time, through kill -9 and restarts. Real processes on a real redis-server, and in-process
-timekeepers where the point is a race."""
+server time, through kill -9 and restarts. Real processes on a real redis-server of the test's
+own and on the session's Redis Cluster, and in-process timekeepers where the point is a race."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
-import redis
 
-from broker import Broker, PromptCancelled, Settings, Timing
-from tests.conftest import RedisServer, cluster_runs_wanted, free_port
+from broker import Broker, Prompt, PromptCancelled, Settings, Timing
+from broker.events import Event, read_after
+from tests.conftest import cluster_runs_wanted, free_port
 from tests.helpers import cli, drop_indexes, eventually, fleet_env, index_count, process
 from workers.runtime.timekeeper import Timekeeper
 
@@ -33,8 +33,29 @@ PICK = (
 
 
 @pytest.fixture
-def env(redis_server_factory: Callable[..., RedisServer]) -> dict[str, str]:
-    return fleet_env(redis_server_factory().url, ADOPT_INTERVAL="0.3", OPS_TURN_TIMEOUT="0")
+def env(fleet_redis: tuple[str, dict[str, str]]) -> dict[str, str]:
+    """A private server of the test's own, or the session's cluster (`where` in conftest.py)."""
+    url, chosen = fleet_redis
+    return fleet_env(url, **chosen, ADOPT_INTERVAL="0.3", OPS_TURN_TIMEOUT="0")
+
+
+T = TypeVar("T")
+
+
+def read(env: dict[str, str], look: Callable[[Broker], Awaitable[T]]) -> T:
+    """What `look` reads through a Broker with the fleet's settings (its prefix, and on the
+    cluster its cluster client): the records as the fleet wrote them, wherever they live."""
+
+    async def go() -> T:
+        async with Broker.from_url(settings=Settings.from_env(env)) as b:
+            return await look(b)
+
+    return asyncio.run(go())
+
+
+async def _events(b: Broker, prompt_id: str | None = None) -> list[Event]:
+    got = await read_after(b.redis, b.keys, "0-0", count=100_000)
+    return [e for e in got if prompt_id is None or e.prompt_id == prompt_id]
 
 
 @contextlib.contextmanager
@@ -55,16 +76,8 @@ def _text(v: str | bytes) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
-def prompt_events(r: redis.Redis, prompt_id: str) -> list[dict[str, str]]:
-    return [f for _, f in r.xrange("pp:events") if f["prompt"] == prompt_id]
-
-
 def set_timing(env: dict[str, str], thread_id: str, timing: Timing) -> None:
-    async def go() -> None:
-        async with Broker.from_url(env["PROMPT_BROKER_REDIS_URL"]) as b:
-            await b.set_timing(thread_id, timing)
-
-    asyncio.run(go())
+    read(env, lambda b: b.set_timing(thread_id, timing))
 
 
 @pytest.mark.slow
@@ -73,7 +86,6 @@ def test_a_held_question_is_reminded_escalated_and_expires_once(
 ) -> None:
     """Two audit workers: the reminder and the escalation come once each, then the prompt is
     cancelled `expired` (never answered) and its agent is told."""
-    r = redis.Redis.from_url(env["PROMPT_BROKER_REDIS_URL"], decode_responses=True)
     script = tmp_path / "script.json"
     script.write_text(PICK)
     with process(["worker"], env), audit_worker(env), audit_worker(env):
@@ -81,20 +93,22 @@ def test_a_held_question_is_reminded_escalated_and_expires_once(
         assert made.returncode == 0, made.stderr
         set_timing(env, "t1", Timing(remind=(2,), escalate=3, escalate_to="oncall", deadline=5))
         assert cli("answer", "t1", "go", env=env).returncode == 0
-        eventually(lambda: r.zcard("pp:open") == 1, "the question")
-        [member] = r.zrange("pp:open", 0, -1)
-        prompt_id = member.split("/")[1]
-        key = f"pp:{{t1}}:prompt:{prompt_id}"
-        eventually(lambda: r.hget(key, "state") == "cancelled", "the expiry", 20)
+        opened = eventually(lambda: read(env, lambda b: b.open_prompts()), "the question")
+        [prompt_id] = [p.prompt_id for p in opened]
+
+        def prompt() -> Prompt:
+            return read(env, lambda b: b.get_prompt("t1", prompt_id))
+
+        eventually(lambda: prompt().state == "cancelled", "the expiry", 20)
         time.sleep(1.0)  # both look again: nothing more happens
-        assert r.hget(key, "reason") == "expired" and r.hget(key, "answers") is None
-        assert r.hget(key, "escalated") == "oncall"
-        got = prompt_events(r, prompt_id)
-        names = [e["event"] for e in got]
+        p = prompt()
+        assert p.reason == "expired" and p.answers is None
+        assert p.escalated_to == "oncall"
+        got = read(env, lambda b: _events(b, prompt_id))
+        names = [e.name for e in got]
         assert names == ["prompt.opened", "prompt.reminder", "prompt.escalated", "prompt.cancelled"]
-        created = int(r.hget(key, "created") or 0)
-        at = [int(e_id.split("-")[0]) - created for e_id, f in r.xrange("pp:events")
-              if f["prompt"] == prompt_id]  # fmt: skip
+        created = int(p.created_at.timestamp() * 1000)
+        at = [e.at_ms - created for e in got]
         assert 2000 <= at[1] < 3500 and 3000 <= at[2] < 4500 and 5000 <= at[3] < 7000, at
         out = eventually(
             lambda: "expired" in (s := cli("show", "t1", env=env).stdout) and s, "told"
@@ -107,39 +121,37 @@ def test_kill_9_of_a_timekeeper_loses_no_deadline_and_repeats_nothing(env: dict[
     """40 prompts with a reminder at 1 s and a deadline at 2.5 s; one of two audit workers is
     killed with SIGKILL midway, and a third starts later: every prompt expires exactly once, no
     reminder comes twice."""
-    url = env["PROMPT_BROKER_REDIS_URL"]
-    r = redis.Redis.from_url(url, decode_responses=True)
     n = 40
 
-    async def ask_all() -> list[str]:
-        async with Broker.from_url(url) as b:
-            ids = []
-            for i in range(n):
-                t = f"k{i}"
-                await b.post_item(
-                    t, {"author": "alice", "content": [{"type": "text", "text": "hi"}]}
-                )
-                await b.set_timing(t, Timing(remind=(1,), deadline=2.5))
-                ids.append((await b.ask(t, "ask_user_question", [Q])).prompt_id)
-                await asyncio.sleep(0.05)  # spread over 2 s: the kill lands among their steps
-            return ids
+    async def ask_all(b: Broker) -> list[str]:
+        ids = []
+        for i in range(n):
+            t = f"k{i}"
+            await b.post_item(t, {"author": "alice", "content": [{"type": "text", "text": "hi"}]})
+            await b.set_timing(t, Timing(remind=(1,), deadline=2.5))
+            ids.append((await b.ask(t, "ask_user_question", [Q])).prompt_id)
+            await asyncio.sleep(0.05)  # spread over 2 s: the kill lands among their steps
+        return ids
+
+    async def states(b: Broker) -> list[Prompt]:
+        return [await b.get_prompt(f"k{i}", p) for i, p in enumerate(ids)]
 
     with audit_worker(env) as first, audit_worker(env):
-        ids = asyncio.run(ask_all())
+        ids = read(env, ask_all)
         first.send_signal(signal.SIGKILL)
         first.wait(5)
         with audit_worker(env):
             eventually(
-                lambda: all(r.hget(f"pp:{{k{i}}}:prompt:{p}", "state") == "cancelled"
-                            for i, p in enumerate(ids)),
-                "every prompt expired", 30,
-            )  # fmt: skip
+                lambda: all(p.state == "cancelled" for p in read(env, states)),
+                "every prompt expired",
+                30,
+            )
             time.sleep(1.0)
-    counts = Counter((f["prompt"], f["event"]) for _, f in r.xrange("pp:events"))
-    for i, p in enumerate(ids):
-        assert r.hget(f"pp:{{k{i}}}:prompt:{p}", "reason") == "expired"
-        assert counts[(p, "prompt.cancelled")] == 1
-        assert counts[(p, "prompt.reminder")] <= 1  # at most once, even across the kill
+    counts = Counter((e.prompt_id, e.name) for e in read(env, _events))
+    for p in read(env, states):
+        assert p.reason == "expired"
+        assert counts[(p.prompt_id, "prompt.cancelled")] == 1
+        assert counts[(p.prompt_id, "prompt.reminder")] <= 1  # at most once, even across the kill
     # A reminder is lost only if the kill fell between taking it and writing its event.
     assert sum(counts[(p, "prompt.reminder")] for p in ids) >= n - 1
 
