@@ -16,7 +16,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
-from redis.asyncio.cluster import ClusterPipeline
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.exceptions import ClusterDownError, NoScriptError, RedisClusterException, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -92,15 +92,12 @@ class Scripts:
 
     async def call(self, redis: Redis, name: str, keys: list[str], args: list[Any]) -> Any:
         """Run one script; if the server lost it (restart, SCRIPT FLUSH), load it and run again."""
-        script = self.by_name[name]
         try:
-            try:
-                return await redis.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[misc]
-            except NoScriptError:
-                await redis.script_load(script.source)
-                return await redis.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[misc]
+            reply = await self._execute_one(redis, self.command(name, keys, args), {})
         except RedisClusterException as e:
             raise (slot_map_error(e) or e) from e
+        raise_first([reply])
+        return reply
 
     def _by_sha(self) -> dict[str, Script]:
         return {s.sha: s for s in self.by_name.values()}
@@ -164,6 +161,20 @@ class Scripts:
     async def _execute_one(
         self, redis: Redis, args: tuple[Any, ...], options: dict[str, Any]
     ) -> Any:
+        """One command's reply, or the error Redis answered with (NOSCRIPT repaired)."""
+        if (
+            isinstance(redis, RedisCluster)
+            and args[0] == "EVALSHA"
+            and "target_nodes" not in options
+        ):
+            # Sent to the slot's node by name, so redis-py's cluster client does not run it a
+            # second time when the reply is lost (it retries a command blindly after a timeout
+            # or a dropped connection): a script that ran would run twice, a second prompt or
+            # an answer's words queued again. The error comes to the caller instead, who finds
+            # out what happened. MOVED and ASK are still followed.
+            if redis._initialize:  # the slot map, read (again) when redis-py wants it
+                await redis.initialize()
+            options = {**options, "target_nodes": redis.get_node_from_key(args[3])}
         try:
             return await redis.execute_command(*args, **options)  # type: ignore[no-untyped-call]
         except NoScriptError:
