@@ -123,6 +123,10 @@ class _Handle:
                 wait.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await wait
+            elif not wait.cancelled():
+                # Retrieved here too: the hold itself may be cancelled (its turn cut off) in
+                # the very turn its wait ended, with a PromptCancelled nobody would read.
+                wait.exception()
         if wait.cancelled():
             raise PromptParked(prompt.prompt_id, prompt.kind, subject)
         try:
