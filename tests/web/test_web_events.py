@@ -261,22 +261,31 @@ async def _with_hooks(broker: Broker, hook_url: str, tries: int = 4, **options: 
     )
 
 
+@contextlib.asynccontextmanager
+async def _hooked(broker: Broker, handle: Any, **options: Any) -> AsyncIterator[str]:
+    """A subscriber answering `POST /hook` with `handle`, and a `serve` app (`_with_hooks`
+    `options`) delivering to it; yields the app's base URL."""
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    target = Starlette(routes=[Route("/hook", handle, methods=["POST"])])
+    async with (
+        serving(target) as hook_base,
+        serving(await _with_hooks(broker, f"{hook_base}/hook", **options)) as base,
+    ):
+        yield base
+
+
 async def test_webhooks_signed_retried_and_deduplicated(broker: Broker) -> None:
     """Prompt events reach a subscriber signed; failed attempts are retried with the same
     delivery id; the example receiver turns them into chat messages with answer links."""
-    from starlette.applications import Starlette
-    from starlette.routing import Route
 
     from web.receiver import Receiver
 
     receiver = Receiver(SECRET, "http://inbox.example")
     flaky = Flaky(receiver, fail=2)
     before = {o: deliveries(o) for o in ("delivered", "retried", "failed")}
-    target = Starlette(routes=[Route("/hook", flaky.handle, methods=["POST"])])
-    async with (
-        serving(target) as hook_base,
-        serving(await _with_hooks(broker, f"{hook_base}/hook")),
-    ):
+    async with _hooked(broker, flaky.handle):
         p = await broker.ask("t", "approval", [APPROVAL])
         # A person answers once the chat asked them (deliveries are concurrent, so an answer
         # given at once could overtake the opening: the receiver would drop the late opening).
@@ -355,19 +364,15 @@ async def test_the_receiver_drops_what_arrives_after_a_prompts_end() -> None:
 async def test_failed_deliveries_are_kept_listed_and_replayed(broker: Broker) -> None:
     """A subscriber that never answers 2xx: after the last try the delivery is kept, listed
     to an admin, and a replay delivers it once the subscriber is back."""
-    from starlette.applications import Starlette
-    from starlette.routing import Route
 
     from web.receiver import Receiver
 
     receiver = Receiver(SECRET, "http://inbox")
     flaky = Flaky(receiver, fail=10**9)
     failed_before = deliveries("failed")
-    target = Starlette(routes=[Route("/hook", flaky.handle, methods=["POST"])])
     headers = {"Authorization": f"Bearer {ALICE}"}
     async with (
-        serving(target) as hook_base,
-        serving(await _with_hooks(broker, f"{hook_base}/hook", tries=2)) as base,
+        _hooked(broker, flaky.handle, tries=2) as base,
         httpx.AsyncClient(base_url=base, headers=headers) as c,
     ):
         p = await broker.ask("t", "approval", [APPROVAL])
@@ -395,8 +400,6 @@ async def test_failed_deliveries_are_kept_listed_and_replayed(broker: Broker) ->
 async def test_an_event_a_dead_copy_took_is_delivered(broker: Broker) -> None:
     """An event another serve copy read from the group but never acknowledged (it died) is
     claimed and delivered by a live one."""
-    from starlette.applications import Starlette
-    from starlette.routing import Route
 
     from web.receiver import Receiver
 
@@ -406,14 +409,8 @@ async def test_an_event_a_dead_copy_took_is_delivered(broker: Broker) -> None:
     taken = await broker.redis.xreadgroup("webhooks", "dead-copy", {key: ">"}, 10)
     assert taken and taken[0][1]  # the dead copy holds it, unacknowledged
     receiver = Receiver(SECRET, "http://inbox")
-    target = Starlette(routes=[Route("/hook", receiver.handle, methods=["POST"])])
-    async with serving(target) as hook_base:
-        app = await _with_hooks(broker, f"{hook_base}/hook", claim_idle_ms=0, claim_every=0.1)
-        async with serving(app):
-            for _ in range(100):
-                if receiver.messages:
-                    break
-                await asyncio.sleep(0.05)
+    async with _hooked(broker, receiver.handle, claim_idle_ms=0, claim_every=0.1):
+        await said(receiver, 1, "the claimed event")
     assert len(receiver.messages) == 1 and p.prompt_id in receiver.messages[0]
 
 
@@ -425,8 +422,6 @@ async def test_an_event_read_but_not_enqueued_goes_out_when_redis_answers(
     again after the failure, so it goes out within seconds, not after the claim of abandoned
     entries (here never: claims are off)."""
     from redis.exceptions import ConnectionError as RedisConnectionError
-    from starlette.applications import Starlette
-    from starlette.routing import Route
 
     from web.receiver import Receiver
     from web.webhooks import Dispatcher
@@ -441,12 +436,9 @@ async def test_an_event_read_but_not_enqueued_goes_out_when_redis_answers(
 
     monkeypatch.setattr(Dispatcher, "_enqueue", failing_once)
     receiver = Receiver(SECRET, "http://inbox")
-    target = Starlette(routes=[Route("/hook", receiver.handle, methods=["POST"])])
-    async with serving(target) as hook_base:
-        app = await _with_hooks(broker, f"{hook_base}/hook", claim_idle_ms=10**9, claim_every=10**9)
-        async with serving(app):
-            p = await broker.ask("t", "approval", [APPROVAL])
-            await said(receiver, 1, "the event taken again")
+    async with _hooked(broker, receiver.handle, claim_idle_ms=10**9, claim_every=10**9):
+        p = await broker.ask("t", "approval", [APPROVAL])
+        await said(receiver, 1, "the event taken again")
     assert len(calls) == 2 and calls[0] == calls[1]  # the same event, taken again
     assert len(receiver.messages) == 1 and p.prompt_id in receiver.messages[0]
 
@@ -456,8 +448,6 @@ async def test_the_delivery_worker_outlives_a_bug(
 ) -> None:
     """Something unexpected out of arq's worker (a bug, not an outage) is logged and the worker
     started again: the copy's deliveries do not stop for good."""
-    from starlette.applications import Starlette
-    from starlette.routing import Route
 
     from web.receiver import Receiver
     from web.webhooks import Dispatcher
@@ -472,11 +462,7 @@ async def test_the_delivery_worker_outlives_a_bug(
 
     monkeypatch.setattr(Dispatcher, "_new_worker", crashing_once)
     receiver = Receiver(SECRET, "http://inbox")
-    target = Starlette(routes=[Route("/hook", receiver.handle, methods=["POST"])])
-    async with (
-        serving(target) as hook_base,
-        serving(await _with_hooks(broker, f"{hook_base}/hook")),
-    ):
+    async with _hooked(broker, receiver.handle):
         p = await broker.ask("t", "approval", [APPROVAL])
         await said(receiver, 1, "a delivery after the worker's restart")
     assert len(made) >= 2
