@@ -98,20 +98,20 @@ class _Ulids:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ms = self._random = 0
-        self._time = _PAIRS[0] * 5  # the encoded `_ms`
+        self._encoded_ms, self._time = 0, _PAIRS[0] * 5  # `_time` encodes `_encoded_ms`
 
     def __call__(self) -> str:
         ms = time.time_ns() // 1_000_000
         with self._lock:
             if ms > self._ms:
                 self._ms, self._random = ms, int.from_bytes(os.urandom(10), "big")
-                self._time = "".join(_PAIRS[(ms >> s) & 1023] for s in (40, 30, 20, 10, 0))
             else:  # the same millisecond, or the clock stepped back: the next one up
                 self._random += 1
                 if self._random >> 80:  # all 80 bits used up in one ms: borrow the next ms
                     self._ms, self._random = self._ms + 1, 0
-                    ms = self._ms
-                    self._time = "".join(_PAIRS[(ms >> s) & 1023] for s in (40, 30, 20, 10, 0))
+            if self._ms != self._encoded_ms:  # once per ms
+                t = self._encoded_ms = self._ms
+                self._time = "".join(_PAIRS[(t >> s) & 1023] for s in (40, 30, 20, 10, 0))
             r, encoded = self._random, self._time
         return (
             encoded
