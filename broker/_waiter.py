@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 
 logger = logging.getLogger("broker.waiter")
 
-__all__ = ["Reader", "Waiter", "Wake"]
+__all__ = ["Reader", "Waiter", "Wake", "nothing_received"]
 
 #: A committed resolution: {"prompt_id", "state": "answered"|"cancelled", "answers"|"reason"}.
 Wake = dict[str, Any]
@@ -275,7 +275,7 @@ class Waiter:
                     await self._subscribe_now(list(self._channels))
                     continue
                 msg = await ps.get_message(ignore_subscribe_messages=False, timeout=_READ_FOR)
-                if msg is not None and await self._handle(msg) and not _more_received(ps):
+                if msg is not None and await self._handle(msg) and nothing_received(ps.connection):
                     # A wait was just given its answer and no other bell is in: let it run
                     # before this task reads on (redis-py's next read would come first, on
                     # the wake's path). With more in, they are read first, all in this turn.
@@ -390,16 +390,24 @@ class Waiter:
             del self._waits[prompt_id]
 
 
-def _more_received(ps: PubSub) -> bool:
-    """Whether more has arrived on `ps`'s connection than was read (True when unsure)."""
-    conn = ps.connection
-    stream = getattr(conn, "_reader", None)
-    reader = getattr(getattr(conn, "_parser", None), "_reader", None)
-    has_data = getattr(reader, "has_data", None)
-    buffered = getattr(stream, "_buffer", None)
-    if buffered is None or not callable(has_data):
-        return True
-    return bool(buffered) or bool(has_data())
+def nothing_received(conn: object) -> bool:
+    """Nothing waits unread on redis-py connection `conn`: not in its stream's buffer, nor in
+    hiredis's (its parser's), and its stream has not ended. False when unsure (another
+    parser, no stream yet): the caller then goes redis-py's way. Also the pool's check of the
+    Broker's connections (broker/client.py)."""
+    parser: Any = getattr(conn, "_parser", None)
+    stream: Any = getattr(conn, "_reader", None)
+    reader: Any = getattr(parser, "_reader", None)
+    return bool(
+        stream is not None
+        and getattr(parser, "_connected", False)
+        and callable(getattr(reader, "has_data", None))
+        and not getattr(stream, "_buffer", True)
+        and not stream.at_eof()
+        and stream.exception() is None
+        and not reader.has_data()
+        and getattr(parser, "_stream", None) is stream  # the parser reads this stream
+    )
 
 
 async def _close(ps: PubSub) -> None:

@@ -29,7 +29,7 @@ from broker._batch import Coalescer
 from broker._cluster import OutageCluster, cluster_client
 from broker._scripts import Scripts
 from broker._sharded import ShardedBells
-from broker._waiter import Waiter
+from broker._waiter import Waiter, nothing_received
 from broker.answers import matchers
 from broker.checks import (
     LIMITS,
@@ -97,24 +97,9 @@ class _HiredisPacking(AbstractConnection):
         of the client's time). Here what was received is looked at where it lies: the stream's
         buffer and its end, and hiredis's own buffer. Anything there, or anything unusual, goes
         redis-py's way (which reads it, and the pool reconnects)."""
-        parser, stream = getattr(self, "_parser", None), self._reader
-        reader = getattr(parser, "_reader", None)
-        if stream is not None and _nothing_received(parser, stream, reader):
+        if nothing_received(self):
             return False
         return bool(await super().can_read_destructive())  # type: ignore[no-untyped-call]
-
-
-def _nothing_received(parser: object, stream: asyncio.StreamReader, reader: Any) -> bool:
-    """Nothing waits in `stream` (the connection's) or in hiredis's `reader` (its parser's)."""
-    return (
-        getattr(parser, "_connected", False)
-        and getattr(parser, "_stream", None) is stream
-        and callable(getattr(reader, "has_data", None))
-        and not getattr(stream, "_buffer", True)
-        and not stream.at_eof()
-        and stream.exception() is None
-        and not reader.has_data()
-    )
 
 
 _PACKING: dict[type[AbstractConnection], type[AbstractConnection]] = {}
