@@ -53,8 +53,16 @@ class Coalescer:
 
     async def call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         """One script call, as `Scripts.call` makes it."""
-        (reply,) = await self.submit([(self._scripts.command(name, keys, args), {})])
-        return reply
+        command = self._scripts.command(name, keys, args)
+        if self._busy or self._queued:
+            (reply,) = await self.submit([(command, {})])
+            return reply
+        # Alone: straight to the one-command path (the wake's path: no layers in between).
+        self._busy += 1
+        try:
+            return await self._scripts.call_command(self._redis, command)
+        finally:
+            self._busy -= 1
 
     async def submit(self, commands: Sequence[Command]) -> list[Any]:
         if not self._busy and not self._queued:

@@ -92,11 +92,16 @@ class Scripts:
 
     async def call(self, redis: Redis, name: str, keys: list[str], args: list[Any]) -> Any:
         """Run one script; if the server lost it (restart, SCRIPT FLUSH), load it and run again."""
+        return await self.call_command(redis, self.command(name, keys, args))
+
+    async def call_command(self, redis: Redis, command: tuple[Any, ...]) -> Any:
+        """`call`, of a command `command` made; raises its reply when that is an error."""
         try:
-            reply = await self._execute_one(redis, self.command(name, keys, args), {})
+            reply = await self._execute_one(redis, command, {})
         except RedisClusterException as e:
             raise (slot_map_error(e) or e) from e
-        raise_first([reply])
+        if isinstance(reply, Exception):
+            raise reply
         return reply
 
     def _by_sha(self) -> dict[str, Script]:
