@@ -128,16 +128,19 @@ class Routing(BrokerBase):
         self, thread_id: str, prompt_id: str, source: str, answered_by: str
     ) -> None:
         """On a cluster: the answer's `prompt.answered` event, after route.lua committed it."""
+        pipe = self.redis.pipeline(transaction=False)
+        events.queue_event(
+            pipe,
+            self.keys,
+            events.ANSWERED,
+            thread_id,
+            prompt_id,
+            source=source,
+            answered_by=answered_by,
+        )
         try:
-            await events.append_event(
-                self.redis,
-                self.keys,
-                events.ANSWERED,
-                thread_id,
-                prompt_id,
-                source=source,
-                answered_by=answered_by,
-            )
+            # Coalesced: the answers of one turn share the round trip to the stream's node.
+            await self._batch.run(pipe)
         except (RedisError, OSError) as e:
             # Only a notice (route.lua cannot write it: another slot); pages also poll, and
             # the answer itself is committed and its bell rung.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from broker import (
     Settings,
     StaleAnswer,
 )
-from tests.conftest import BrokerFactory, delete_prefix
+from tests.conftest import BrokerFactory, cluster_runs_wanted, delete_prefix
 from tests.helpers import began_waiting, index_add, index_score, text
 
 APPROVAL = {"question": "Run `make deploy`?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
@@ -637,6 +638,28 @@ async def test_prompt_events_are_written(broker: Broker) -> None:
     ]
     reasons = [f.get("data") for _, f in entries if f["event"] == events.CANCELLED]
     assert "superseded" in reasons[0] and "the run ended" in reasons[1]
+
+
+ON_CLUSTER = [pytest.param("cluster", marks=pytest.mark.cluster)] if cluster_runs_wanted() else []
+
+
+@pytest.mark.parametrize("backend", ON_CLUSTER, indirect=True)
+async def test_on_a_cluster_a_lost_answer_event_leaves_the_answer_standing(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a cluster the event stream is in another slot: an answer's event follows route.lua
+    (coalesced with the turn's others). When writing it fails, the answer stands (committed,
+    its bell rung): the caller is told `answered`, the wait gets it, a warning says so."""
+    from broker import events
+
+    p = await broker.ask("t", "approval", [APPROVAL])
+    await broker.redis.set(events.event_key(broker.keys), "not a stream")  # XADD: WRONGTYPE
+    with caplog.at_level(logging.WARNING, logger="broker"):
+        routed = await broker.post_item("t", text("yes"))
+    assert (routed.outcome, routed.prompt_id) == ("answered", p.prompt_id)
+    assert await broker.wait("t", p.prompt_id, timeout=5) == routed.answers
+    lost = [r for r in caplog.records if r.getMessage() == "prompt.event_lost"]
+    assert len(lost) == 1 and "WRONGTYPE" in lost[0].error  # type: ignore[attr-defined]
 
 
 async def test_answer_records_who_and_through_which_surface(broker: Broker) -> None:
