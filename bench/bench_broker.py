@@ -25,12 +25,14 @@ import multiprocessing
 import platform
 import shutil
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection as PipeEnd
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 import redis
@@ -42,6 +44,13 @@ from redis.utils import HIREDIS_AVAILABLE
 from broker import Broker, Keys, Question, Settings
 from broker._codec import pending_body
 from broker.keys import ThreadKeys
+from workers.runtime.redis_server import RedisServer
+
+if TYPE_CHECKING:
+    from tests.conftest import RedisClusterNodes
+
+#: The project's root, for the test suite's cluster helpers (tests/conftest.py).
+_ROOT = str(Path(__file__).resolve().parent.parent)
 
 T = TypeVar("T")
 
@@ -67,6 +76,7 @@ AGENT_OUTPUT = {
 }
 
 WAKE_TARGET_RATIO = 2.0
+SCALING_TARGET = 2.5
 ROUND_TRIP_TARGET = 4
 MEMORY_TARGET_BYTES = 1536
 
@@ -818,20 +828,36 @@ def _fmt(config: dict[str, str]) -> str:
 # -- 4. one primary against a cluster of three ------------------------------------------------
 
 
-def _throughput_process(
-    conn: PipeEnd, url: str, cluster: bool, seconds: float, threads: int
-) -> None:
-    conn.send(asyncio.run(_lifecycles_for(url, cluster, seconds, threads)))
-    conn.close()
+@dataclass(frozen=True)
+class Load:
+    """What every client process of a run drives: where, for how long, under which prefix."""
+
+    url: str
+    cluster: bool
+    seconds: float
+    prefix: str
 
 
-async def _lifecycles_for(url: str, cluster: bool, seconds: float, threads: int) -> int:
-    """Lifecycles (ask, answer, wait returning) done in `seconds`, `threads` at a time."""
-    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+def _throughput_process(conn: PipeEnd, load: Load, name: str) -> None:
+    try:
+        conn.send(asyncio.run(_lifecycles_for(conn, load, name)))
+    except Exception as e:  # said to the parent, which stops the figure with it
+        conn.send(f"{name}: {e!r}")
+    finally:
+        conn.close()
+
+
+async def _lifecycles_for(conn: PipeEnd, load: Load, name: str) -> int:
+    """Lifecycles (ask, answer, wait returning) done in `load.seconds` from the parent's go,
+    THREADS_PER_PROCESS at a time, on threads of their own (`name`) under the fleet's prefix."""
     answer = {"content": [{"type": "text", "text": "yes"}]}
-    async with Broker.from_url(url, Settings(key_prefix=prefix), cluster=cluster) as b:
+    settings = Settings(key_prefix=load.prefix)
+    async with Broker.from_url(load.url, settings, cluster=load.cluster) as b:
+        await b.redis.ping()  # connected, before the clock starts
+        conn.send("ready")
+        await asyncio.to_thread(conn.recv)  # go
         done = 0
-        deadline = time.monotonic() + seconds
+        deadline = time.monotonic() + load.seconds
 
         async def one_thread(thread: str) -> None:
             nonlocal done
@@ -843,47 +869,193 @@ async def _lifecycles_for(url: str, cluster: bool, seconds: float, threads: int)
                 await waiting
                 done += 1
 
-        await asyncio.gather(*(one_thread(f"{prefix}-{i}") for i in range(threads)))
+        await asyncio.gather(*(one_thread(f"{name}-{i}") for i in range(THREADS_PER_PROCESS)))
         return done
 
 
-def lifecycles_per_second(url: str, cluster: bool, processes: int, seconds: float) -> float:
+#: Threads each client process drives at once.
+THREADS_PER_PROCESS = 20
+
+
+def lifecycles_per_second(
+    url: str,
+    cluster: bool,
+    processes: int,
+    seconds: float,
+    started: Callable[[], None] = lambda: None,
+) -> float:
+    """Every process drives its threads for `seconds`, all from one go (`started` is called
+    then), under the default key prefix as one fleet would: the aggregate lifecycles/s."""
     ctx = multiprocessing.get_context("spawn")
+    # The default prefix (each setup is a fresh server): on a cluster its fixed-slot keys (the
+    # event stream, arq's queue) fall where a default deployment's do.
+    prefix = Settings().key_prefix
     pipes = []
-    for _ in range(processes):
+    for i in range(processes):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_throughput_process, args=(child, url, cluster, seconds, 20))
+        load = Load(url, cluster, seconds, prefix)
+        proc = ctx.Process(target=_throughput_process, args=(child, load, f"{prefix}-p{i}"))
         proc.start()
         pipes.append((parent, proc))
+    for parent, _ in pipes:
+        if (said := parent.recv()) != "ready":
+            raise RuntimeError(f"a client process did not start: {said}")
+    started()
+    for parent, _ in pipes:
+        parent.send("go")
     total = 0
     for parent, proc in pipes:
-        total += parent.recv()
+        done = parent.recv()
         proc.join(60)
+        if not isinstance(done, int):
+            raise RuntimeError(f"a client process failed: {done}")
+        total += done
     return total / seconds
 
 
-def bench_cluster(url: str, processes: int, seconds: float) -> None:
-    """Aggregate lifecycles/s from several client processes: one server, then three primaries."""
-    import tempfile
-    from pathlib import Path
+def _cpu_seconds(ports: Iterable[int]) -> float:
+    """The redis-servers' CPU time so far (user and system, every thread)."""
+    total = 0.0
+    for port in ports:
+        with redis.Redis(port=port) as r:
+            info = r.info("cpu")
+        total += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    return total
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+@dataclass
+class Shard:
+    """One setup of the figure: its lifecycles/s and what its primaries' CPU did."""
+
+    rate: float
+    cpu_per_lifecycle: float  # primaries' CPU seconds per lifecycle
+    busy: list[float]  # each primary's CPU seconds per second of the run
+
+
+def _drive(url: str, cluster: bool, primaries: list[int], processes: int, seconds: float) -> Shard:
+    before: list[float] = []
+
+    def started() -> None:
+        before.extend(_cpu_seconds([p]) for p in primaries)
+
+    rate = lifecycles_per_second(url, cluster, processes, seconds, started)
+    spent = [_cpu_seconds([p]) - b for p, b in zip(primaries, before, strict=True)]
+    # The processes ran `seconds` from the go; reading each server's clock took a moment more.
+    return Shard(rate, sum(spent) / max(1.0, rate * seconds), [x / seconds for x in spent])
+
+
+def _one_shard(root: Path) -> RedisClusterNodes:
+    """A Redis Cluster of one primary holding every slot, with one replica: the same shape as
+    the test cluster's shards (start_cluster), one of them. redis-cli --cluster create wants
+    three primaries at least, so the slots are given and the replica attached by hand."""
+    sys.path.insert(0, _ROOT)
+    from tests.conftest import RedisClusterNodes, _cluster_port
+
+    nodes = [RedisServer(_cluster_port(), root / f"shard-{i}", appendonly=False) for i in (0, 1)]
+    cluster = RedisClusterNodes(nodes)
+    try:
+        for node in nodes:
+            node.dir.mkdir()
+            node.start(
+                "--cluster-enabled", "yes", "--cluster-config-file", str(node.dir / "nodes.conf")
+            )
+        with redis.Redis(port=nodes[0].port) as primary, redis.Redis(port=nodes[1].port) as other:
+            primary.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            other.execute_command("CLUSTER", "MEET", "127.0.0.1", nodes[0].port)
+            me = primary.execute_command("CLUSTER", "MYID")
+            deadline, attached = time.monotonic() + 30, False
+            while time.monotonic() < deadline:
+                if not attached:  # once only: each REPLICATE starts its sync over
+                    with contextlib.suppress(redis.ResponseError):  # not met yet: unknown node
+                        attached = other.execute_command("CLUSTER", "REPLICATE", me) == b"OK"
+                if (
+                    attached
+                    and other.info("replication").get("master_link_status") == "up"
+                    and all(r.cluster("info")["cluster_state"] == "ok" for r in (primary, other))
+                ):
+                    return cluster
+                time.sleep(0.1)
+        raise RuntimeError("the one-shard cluster did not reach cluster_state:ok")
+    except BaseException:
+        cluster.stop()
+        raise
+
+
+def _primaries(cluster: RedisClusterNodes) -> list[int]:
+    ports = []
+    for node in cluster.nodes:
+        with redis.Redis(port=node.port) as r:
+            if r.info("replication")["role"] == "master":
+                ports.append(node.port)
+    return ports
+
+
+def bench_cluster(exe: str, processes: int, seconds: float, redis_cpu: float | None) -> None:
+    """Aggregate lifecycles/s from several client processes: one primary, then three.
+
+    The target compares like with like: a cluster of one shard (a primary and its replica)
+    against one of three such shards. One redis-server on its own (the default deployment)
+    is printed for reference. With `redis_cpu`, every redis-server of every setup (primaries
+    and replicas) is held to that share of one CPU, so the servers, not the machine, are the
+    limit."""
+    from cpu_cap import cpu_capped, quota_percent
+    from private_redis import PrivateRedis
+
+    sys.path.insert(0, _ROOT)
     from tests.conftest import start_cluster
 
-    single = lifecycles_per_second(url, False, processes, seconds)
+    def run(url: str, cluster: bool, nodes: list[RedisServer], primaries: list[int]) -> Shard:
+        pids = [n.proc.pid for n in nodes if n.proc is not None]
+        with cpu_capped(pids, redis_cpu) if redis_cpu else contextlib.nullcontext():
+            return _drive(url, cluster, primaries, processes, seconds)
+
     with tempfile.TemporaryDirectory() as d:
-        cluster = start_cluster(Path(d))
+        server = PrivateRedis(exe, free_port(), Path(d) / "single")
+        server.dir.mkdir()
+        server.start()
         try:
-            three = lifecycles_per_second(cluster.url, True, processes, seconds)
+            alone = run(server.url, False, [server], [server.port])
         finally:
-            cluster.stop()
-    print(
-        f"\n4. Lifecycles per second, {processes} client processes of 20 threads each, "
-        f"{seconds:.0f} s"
+            server.stop()
+        shards: list[Shard] = []
+        for start in (_one_shard, start_cluster):
+            (Path(d) / start.__name__).mkdir()
+            cluster = start(Path(d) / start.__name__)
+            try:
+                shards.append(run(cluster.url, True, cluster.nodes, _primaries(cluster)))
+            finally:
+                cluster.stop()
+    one, three = shards
+    cap = (
+        f"each redis-server held to {quota_percent(redis_cpu):g}% of one CPU (a cgroup quota)"
+        if redis_cpu
+        else "no CPU cap on the servers"
     )
-    print(f"   one redis-server:                 {single:9,.0f} /s")
-    print(f"   a cluster of three primaries:     {three:9,.0f} /s   ({three / single:.2f}x)")
+    print(
+        f"\n4. Lifecycles per second, {processes} client processes of {THREADS_PER_PROCESS} "
+        "threads each, one key prefix (one fleet), "
+        f"{seconds:.0f} s; {cap}"
+    )
+    print(f"   {'':46} {'lifecycles/s':>12} {'primary CPU/lifecycle':>22}  each primary busy")
+    for label, shard in (
+        ("one redis-server, no replica (reference):", alone),
+        ("a cluster of one primary (and its replica):", one),
+        ("a cluster of three primaries (a replica each):", three),
+    ):
+        busy = " ".join(f"{b * 100:4.1f}%" for b in shard.busy)
+        print(f"   {label:46} {shard.rate:12,.0f} {shard.cpu_per_lifecycle * 1e6:19.1f} us  {busy}")
+    ratio = three.rate / one.rate
+    print(
+        f"   scaling, three primaries / one: {ratio:.2f}x   target >= {SCALING_TARGET:g}x: "
+        f"{verdict(ratio >= SCALING_TARGET)}   (against the lone server: "
+        f"{three.rate / alone.rate:.2f}x)"
+    )
     print(f"   on {multiprocessing.cpu_count()} CPUs shared by the clients and every server")
+    if not redis_cpu:
+        print(
+            "   (no cap: the servers share the machine's CPUs with the clients, so this shows "
+            "what the machine does, not what more primaries give; see --redis-cpu)"
+        )
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -962,6 +1134,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--seconds", type=float, default=10.0, help="how long --only cluster drives each setup"
     )
     parser.add_argument(
+        "--redis-cpu",
+        type=float,
+        default=None,
+        metavar="PERCENT",
+        help="for --only cluster: hold every redis-server to this share of one CPU (a cgroup "
+        "quota; needs a writable cgroup CPU controller), so the servers are the limit, not "
+        "the machine's cores shared with the clients",
+    )
+    parser.add_argument(
         "--parked",
         action="append",
         default=[],
@@ -1001,7 +1182,9 @@ async def run(args: argparse.Namespace, url: str) -> None:
     if "memory" in only:
         await bench_memory(url, args.prompts, args.batch, args.parked)
     if "cluster" in only:
-        await asyncio.to_thread(bench_cluster, url, args.processes, args.seconds)
+        await asyncio.to_thread(
+            bench_cluster, args.redis_server, args.processes, args.seconds, args.redis_cpu
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
