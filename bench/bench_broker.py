@@ -913,35 +913,39 @@ def lifecycles_per_second(
     return total / seconds
 
 
-def _cpu_seconds(ports: Iterable[int]) -> float:
-    """The redis-servers' CPU time so far (user and system, every thread)."""
-    total = 0.0
-    for port in ports:
-        with redis.Redis(port=port) as r:
-            info = r.info("cpu")
-        total += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-    return total
+def _server_counts(port: int) -> tuple[float, int]:
+    """A redis-server's CPU time so far (user and system, every thread), and how many reads of
+    its clients' sockets it has processed (each a batch of commands, one or more)."""
+    with redis.Redis(port=port) as r:
+        cpu, stats = r.info("cpu"), r.info("stats")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), int(
+        stats["total_reads_processed"]
+    )
 
 
 @dataclass
 class Shard:
-    """One setup of the figure: its lifecycles/s and what its primaries' CPU did."""
+    """One setup of the figure: its lifecycles/s and what its primaries did."""
 
     rate: float
     cpu_per_lifecycle: float  # primaries' CPU seconds per lifecycle
+    reads_per_lifecycle: float  # socket reads the primaries processed per lifecycle
     busy: list[float]  # each primary's CPU seconds per second of the run
 
 
 def _drive(url: str, cluster: bool, primaries: list[int], processes: int, seconds: float) -> Shard:
-    before: list[float] = []
+    before: list[tuple[float, int]] = []
 
     def started() -> None:
-        before.extend(_cpu_seconds([p]) for p in primaries)
+        before.extend(_server_counts(p) for p in primaries)
 
     rate = lifecycles_per_second(url, cluster, processes, seconds, started)
-    spent = [_cpu_seconds([p]) - b for p, b in zip(primaries, before, strict=True)]
-    # The processes ran `seconds` from the go; reading each server's clock took a moment more.
-    return Shard(rate, sum(spent) / max(1.0, rate * seconds), [x / seconds for x in spent])
+    after = [_server_counts(p) for p in primaries]
+    spent = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+    reads = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    done = max(1.0, rate * seconds)
+    # The processes ran `seconds` from the go; reading each server's counts took a moment more.
+    return Shard(rate, sum(spent) / done, reads / done, [x / seconds for x in spent])
 
 
 def _one_shard(root: Path) -> RedisClusterNodes:
@@ -1036,14 +1040,20 @@ def bench_cluster(exe: str, processes: int, seconds: float, redis_cpu: float | N
         "threads each, one key prefix (one fleet), "
         f"{seconds:.0f} s; {cap}"
     )
-    print(f"   {'':46} {'lifecycles/s':>12} {'primary CPU/lifecycle':>22}  each primary busy")
+    print(
+        f"   {'':46} {'lifecycles/s':>12} {'primary CPU/lifecycle':>22} {'reads/lifecycle':>16}"
+        "  each primary busy"
+    )
     for label, shard in (
         ("one redis-server, no replica (reference):", alone),
         ("a cluster of one primary (and its replica):", one),
         ("a cluster of three primaries (a replica each):", three),
     ):
         busy = " ".join(f"{b * 100:4.1f}%" for b in shard.busy)
-        print(f"   {label:46} {shard.rate:12,.0f} {shard.cpu_per_lifecycle * 1e6:19.1f} us  {busy}")
+        print(
+            f"   {label:46} {shard.rate:12,.0f} {shard.cpu_per_lifecycle * 1e6:19.1f} us "
+            f"{shard.reads_per_lifecycle:16.2f}  {busy}"
+        )
     ratio = three.rate / one.rate
     print(
         f"   scaling, three primaries / one: {ratio:.2f}x   target >= {SCALING_TARGET:g}x: "
