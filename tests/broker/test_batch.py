@@ -16,7 +16,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from ulid import ULID
 
-from broker import Broker, PromptUnavailable, Settings, _base
+from broker import Broker, PromptUnavailable, Settings, _base, _batch
 from broker._batch import Coalescer
 from broker._scripts import Scripts
 from tests.conftest import BrokerFactory
@@ -83,6 +83,80 @@ async def test_a_lone_call_goes_out_at_once(make_broker: BrokerFactory) -> None:
     assert b._batch._queued == [] and not b._batch._flushing
     await call
     assert sent.sent == [3]  # the script, the index, the event: one pipeline
+
+
+async def test_with_two_round_trips_out_what_queues_waits_for_both() -> None:
+    """A submission queued while fewer than two round trips are out goes at the end of its turn;
+    queued while two are out, it waits until both are back, then everything queued goes as one
+    (not one pipeline per turn: on a cluster that broke the batches up)."""
+    gates: list[asyncio.Future[None]] = []
+    sent: list[list[Any]] = []
+
+    class Gated(Scripts):
+        """Each round trip is held until its gate opens; its replies are its commands."""
+
+        async def execute(self, redis: Redis, stack: Any, pipe: Any = None) -> list[Any]:
+            sent.append([args[1] for args, _ in stack])
+            gates.append(asyncio.get_running_loop().create_future())
+            await gates[-1]
+            return [args[1] for args, _ in stack]
+
+    batch = Coalescer(Redis(), Gated())
+
+    def submit(name: str) -> asyncio.Future[list[Any]]:
+        return asyncio.ensure_future(batch.submit([(("GET", name), {})]))
+
+    async def turns() -> None:  # enough turns of the loop for whatever is due to go out
+        for _ in range(6):
+            await asyncio.sleep(0)
+
+    first = submit("a")  # alone: out at once
+    await turns()
+    second = submit("b")  # one out: b goes at the end of its turn
+    await turns()
+    assert sent == [["a"], ["b"]]
+    later = [submit("c"), submit("d")]  # two out: c and d wait
+    await turns()
+    assert sent == [["a"], ["b"]]
+    gates[0].set_result(None)  # one back, one still out: they still wait
+    assert await first == ["a"]
+    await turns()
+    assert sent == [["a"], ["b"]]
+    gates[1].set_result(None)  # both back: c and d go, as one
+    assert await second == ["b"]
+    await turns()
+    assert sent == [["a"], ["b"], ["c", "d"]]
+    gates[2].set_result(None)
+    assert [await f for f in later] == [["c"], ["d"]]
+    await batch.aclose()
+
+
+async def test_round_trips_stuck_out_hold_the_rest_back_briefly() -> None:
+    """Two round trips that never end (a dead connection, no read timeout): what queues behind
+    them still goes out, `HOLD` later."""
+    sent: list[list[Any]] = []
+
+    class Stuck(Scripts):
+        async def execute(self, redis: Redis, stack: Any, pipe: Any = None) -> list[Any]:
+            sent.append([args[1] for args, _ in stack])
+            if len(sent) <= 2:
+                await asyncio.Event().wait()  # never
+            return [args[1] for args, _ in stack]
+
+    batch = Coalescer(Redis(), Stuck())
+    stuck = [asyncio.ensure_future(batch.submit([(("GET", n), {})])) for n in ("a", "b")]
+    for _ in range(6):
+        await asyncio.sleep(0)
+    assert sent == [["a"], ["b"]]
+    t0 = time.perf_counter()
+    assert await asyncio.wait_for(batch.submit([(("GET", "c"), {})]), 1) == ["c"]
+    assert _batch.HOLD <= time.perf_counter() - t0 < 0.5
+    for f in stuck:
+        f.cancel()
+    await asyncio.gather(*stuck, return_exceptions=True)
+    for task in list(batch._flushing):
+        task.cancel()
+    await asyncio.gather(*batch._flushing, return_exceptions=True)
 
 
 async def test_one_callers_error_is_its_own(make_broker: BrokerFactory) -> None:
