@@ -20,7 +20,16 @@ from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.exceptions import ClusterDownError, NoScriptError, RedisClusterException, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-__all__ = ["NAMES", "Command", "Script", "Scripts", "raise_first", "slot_map_error", "stack_of"]
+__all__ = [
+    "NAMES",
+    "Command",
+    "Script",
+    "Scripts",
+    "raise_first",
+    "slot_map_error",
+    "slot_node",
+    "stack_of",
+]
 
 #: One command as a pipeline holds it: its arguments, and the options redis-py routes it by.
 Command = tuple[tuple[Any, ...], dict[str, Any]]
@@ -177,9 +186,7 @@ class Scripts:
             # or a dropped connection): a script that ran would run twice, a second prompt or
             # an answer's words queued again. The error comes to the caller instead, who finds
             # out what happened. MOVED and ASK are still followed.
-            if redis._initialize:  # the slot map, read (again) when redis-py wants it
-                await redis.initialize()
-            options = {**options, "target_nodes": redis.get_node_from_key(args[3])}
+            options = {**options, "target_nodes": await slot_node(redis, args[3])}
         try:
             return await redis.execute_command(*args, **options)  # type: ignore[no-untyped-call]
         except NoScriptError:
@@ -190,6 +197,13 @@ class Scripts:
             return await redis.execute_command(*args, **options)  # type: ignore[no-untyped-call]
         except ResponseError as e:
             return e
+
+
+async def slot_node(redis: RedisCluster, key: str) -> Any:
+    """The primary owning `key`'s slot, the slot map read (again) first when redis-py wants it."""
+    if redis._initialize:
+        await redis.initialize()
+    return redis.get_node_from_key(key)
 
 
 def raise_first(results: list[Any]) -> None:

@@ -18,6 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker import events
 from broker._base import BrokerBase, _new_id, _reaching
+from broker._scripts import slot_node
 from broker.checks import _check_item, _check_surface, _CheckedItem, _epoch, _idempotency
 from broker.errors import (
     BadItem,
@@ -158,8 +159,7 @@ class Routing(BrokerBase):
         n, ms = self.settings.wait_replicas, max(1, round(self.settings.wait_timeout * 1000))
         target: dict[str, Any] = {}
         if isinstance(self.redis, RedisCluster):
-            await self.redis.initialize()  # the slot map (a no-op once read)
-            target["target_nodes"] = self.redis.get_node_from_key(tk.items)
+            target["target_nodes"] = await slot_node(self.redis, tk.items)
         script = self._scripts.by_name["route"]
         while True:
             pipe = self.redis.pipeline(transaction=False)
