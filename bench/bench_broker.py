@@ -953,16 +953,11 @@ def _one_shard(root: Path) -> RedisClusterNodes:
     the test cluster's shards (start_cluster), one of them. redis-cli --cluster create wants
     three primaries at least, so the slots are given and the replica attached by hand."""
     sys.path.insert(0, _ROOT)
-    from tests.conftest import RedisClusterNodes, _cluster_port
+    from tests.conftest import start_cluster_nodes
 
-    nodes = [RedisServer(_cluster_port(), root / f"shard-{i}", appendonly=False) for i in (0, 1)]
-    cluster = RedisClusterNodes(nodes)
+    cluster = start_cluster_nodes(root, 2)
+    nodes = cluster.nodes
     try:
-        for node in nodes:
-            node.dir.mkdir()
-            node.start(
-                "--cluster-enabled", "yes", "--cluster-config-file", str(node.dir / "nodes.conf")
-            )
         with redis.Redis(port=nodes[0].port) as primary, redis.Redis(port=nodes[1].port) as other:
             primary.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
             other.execute_command("CLUSTER", "MEET", "127.0.0.1", nodes[0].port)

@@ -91,6 +91,26 @@ def _cluster_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
+def start_cluster_nodes(root: Path, count: int) -> RedisClusterNodes:
+    """`count` `redis-server --cluster-enabled yes` on free loopback ports, each in a folder of
+    its own under `root`, not joined yet; stopped by their pids."""
+    nodes = [
+        RedisServer(_cluster_port(), root / f"node-{i}", appendonly=False) for i in range(count)
+    ]
+    cluster = RedisClusterNodes(nodes)
+    try:
+        for node in nodes:
+            node.dir.mkdir()
+            node.start(
+                "--cluster-enabled", "yes", "--cluster-config-file", str(node.dir / "nodes.conf"),
+                "--cluster-node-timeout", "2000", "--logfile", str(node.dir / "redis.log"),
+            )  # fmt: skip
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
 def start_cluster(root: Path) -> RedisClusterNodes:
     """Start six `redis-server --cluster-enabled yes` and join them with `redis-cli --cluster
     create` (three primaries, a replica each); stopped by their pids, never by name."""
@@ -100,15 +120,9 @@ def start_cluster(root: Path) -> RedisClusterNodes:
         if os.environ.get("PB_REQUIRE_REAL_REDIS"):  # CI: a missing tool fails, never skips
             pytest.fail(f"{why} (PB_REQUIRE_REAL_REDIS)")
         pytest.skip(why)
-    nodes = [RedisServer(_cluster_port(), root / f"node-{i}", appendonly=False) for i in range(6)]
-    cluster = RedisClusterNodes(nodes)
+    cluster = start_cluster_nodes(root, 6)
+    nodes = cluster.nodes
     try:
-        for node in nodes:
-            node.dir.mkdir()
-            node.start(
-                "--cluster-enabled", "yes", "--cluster-config-file", str(node.dir / "nodes.conf"),
-                "--cluster-node-timeout", "2000", "--logfile", str(node.dir / "redis.log"),
-            )  # fmt: skip
         addresses = [f"127.0.0.1:{n.port}" for n in nodes]
         subprocess.run(
             [cli, "--cluster", "create", *addresses, "--cluster-replicas", "1", "--cluster-yes"],
