@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 import redis
-from private_redis import free_port, private_redis
+from private_redis import free_port, private_redis, server_cpu_seconds
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 from redis.utils import HIREDIS_AVAILABLE
@@ -914,13 +914,11 @@ def lifecycles_per_second(
 
 
 def _server_counts(port: int) -> tuple[float, int]:
-    """A redis-server's CPU time so far (user and system, every thread), and how many reads of
-    its clients' sockets it has processed (each a batch of commands, one or more)."""
+    """A redis-server's CPU time so far, and how many reads of its clients' sockets it has
+    processed (each a batch of commands, one or more)."""
     with redis.Redis(port=port) as r:
         cpu, stats = r.info("cpu"), r.info("stats")
-    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), int(
-        stats["total_reads_processed"]
-    )
+    return server_cpu_seconds(cpu), int(stats["total_reads_processed"])
 
 
 @dataclass

@@ -8,8 +8,8 @@ One run, on a private redis-server started here (no persistence) and stopped by 
    stream entry and the thread's pointer to it, the second resolving the hash, dropping the
    pointer and PUBLISHing the answer to a subscriber that receives it, as many at once (each
    call its own round trip, as a plain redis-py client sends it: the targets' floor);
-   and, for reference, the same floor with the calls of one turn of the loop coalesced into
-   one pipeline, as the Broker sends its own (broker/_batch.py);
+   and, for reference, the same floor with its calls coalesced into pipelines as the Broker
+   sends its own (broker/_batch.py);
 3. wake latency beside the PUBLISH -> receive floor (bench_broker.py's `--only wake` figure).
 
 For 1 and 2: the server's CPU per lifecycle (INFO cpu: used_cpu_user + used_cpu_sys deltas),
@@ -39,7 +39,7 @@ from typing import Any
 
 import redis
 from bench_broker import ANSWER, QUESTION, _wake_message, bench_wake, bounded
-from private_redis import free_port, private_redis
+from private_redis import free_port, private_redis, server_cpu_seconds
 from redis.asyncio import Redis
 
 from broker import Broker, Settings
@@ -93,7 +93,7 @@ async def stats(r: Redis) -> Stats:
         if name in ("info", "slowlog", "config"):
             continue  # the bench's own
         calls[name], usec[name] = int(v["calls"]), int(v["usec"])
-    return Stats(float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), calls, usec)
+    return Stats(server_cpu_seconds(cpu), calls, usec)
 
 
 @dataclass
@@ -213,7 +213,7 @@ def broker_driver(b: Broker, prefix: str) -> Driver:
 
 class Floor:
     """Two bare Lua calls per lifecycle, and one subscriber hearing the bell. `coalesced`: the
-    calls made in one turn of the loop go out as one pipeline, as the Broker's do (for
+    calls go through the Broker's coalescer (broker/_batch.py), as the Broker's do (for
     reference: the target's floor is the plain one)."""
 
     def __init__(self, url: str, prefix: str, threads: int, coalesced: bool = False) -> None:
@@ -332,10 +332,7 @@ def print_runs(real: Run, floor: Run, threads: int, top: int) -> None:
 
 def print_reference(real: Run, coalesced: Run) -> None:
     """The Broker beside the floor sent as it sends (not a target: what coalescing leaves)."""
-    print(
-        "\n   for reference, the floor's calls coalesced as the Broker's are "
-        "(one pipeline per turn of the loop):"
-    )
+    print("\n   for reference, the floor's calls coalesced as the Broker's are (broker/_batch.py):")
     rows = [
         ("Redis CPU per lifecycle (INFO cpu)", real.cpu_us, coalesced.cpu_us, "us"),
         ("throughput (lifecycles/s)", real.rate, coalesced.rate, ""),

@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 
 import orjson
 import redis
-from private_redis import free_port, private_redis
+from private_redis import free_port, private_redis, server_cpu_seconds
 from redis.asyncio import Redis
 
 from broker import Broker, Keys, Settings
@@ -658,8 +658,7 @@ class Busy:
 
 
 async def _server_cpu(r: Redis) -> float:
-    info = await r.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+    return server_cpu_seconds(await r.info("cpu"))
 
 
 async def busy(r: Redis, pid: int, seconds: float) -> Busy:

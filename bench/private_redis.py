@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from workers.runtime.redis_server import RedisServer, free_port
 
-__all__ = ["PrivateRedis", "free_port", "private_redis"]
+__all__ = ["PrivateRedis", "free_port", "private_redis", "server_cpu_seconds"]
 
 
 class PrivateRedis(RedisServer):
@@ -54,3 +54,8 @@ def private_redis(exe: str, port: int, config: Sequence[str] = ()) -> Iterator[s
             yield server.url
         finally:
             server.stop()
+
+
+def server_cpu_seconds(info: Mapping[str, object]) -> float:
+    """A redis-server's CPU time so far (user and system, every thread), from `INFO cpu`."""
+    return float(str(info["used_cpu_user"])) + float(str(info["used_cpu_sys"]))
