@@ -42,9 +42,9 @@ def env(fleet_redis: tuple[str, dict[str, str]]) -> dict[str, str]:
 T = TypeVar("T")
 
 
-def read(env: dict[str, str], look: Callable[[Broker], Awaitable[T]]) -> T:
-    """What `look` reads through a Broker with the fleet's settings (its prefix, and on the
-    cluster its cluster client): the records as the fleet wrote them, wherever they live."""
+def through_broker(env: dict[str, str], look: Callable[[Broker], Awaitable[T]]) -> T:
+    """`look` run with a Broker of the fleet's settings (its prefix, and on the cluster its
+    cluster client): the records read, or written, as the fleet keeps them, wherever they live."""
 
     async def go() -> T:
         async with Broker.from_url(settings=Settings.from_env(env)) as b:
@@ -77,7 +77,7 @@ def _text(v: str | bytes) -> str:
 
 
 def set_timing(env: dict[str, str], thread_id: str, timing: Timing) -> None:
-    read(env, lambda b: b.set_timing(thread_id, timing))
+    through_broker(env, lambda b: b.set_timing(thread_id, timing))
 
 
 @pytest.mark.slow
@@ -93,18 +93,18 @@ def test_a_held_question_is_reminded_escalated_and_expires_once(
         assert made.returncode == 0, made.stderr
         set_timing(env, "t1", Timing(remind=(2,), escalate=3, escalate_to="oncall", deadline=5))
         assert cli("answer", "t1", "go", env=env).returncode == 0
-        opened = eventually(lambda: read(env, lambda b: b.open_prompts()), "the question")
+        opened = eventually(lambda: through_broker(env, lambda b: b.open_prompts()), "the question")
         [prompt_id] = [p.prompt_id for p in opened]
 
         def prompt() -> Prompt:
-            return read(env, lambda b: b.get_prompt("t1", prompt_id))
+            return through_broker(env, lambda b: b.get_prompt("t1", prompt_id))
 
         eventually(lambda: prompt().state == "cancelled", "the expiry", 20)
         time.sleep(1.0)  # both look again: nothing more happens
         p = prompt()
         assert p.reason == "expired" and p.answers is None
         assert p.escalated_to == "oncall"
-        got = read(env, lambda b: _events(b, prompt_id))
+        got = through_broker(env, lambda b: _events(b, prompt_id))
         names = [e.name for e in got]
         assert names == ["prompt.opened", "prompt.reminder", "prompt.escalated", "prompt.cancelled"]
         created = int(p.created_at.timestamp() * 1000)
@@ -137,18 +137,18 @@ def test_kill_9_of_a_timekeeper_loses_no_deadline_and_repeats_nothing(env: dict[
         return [await b.get_prompt(f"k{i}", p) for i, p in enumerate(ids)]
 
     with audit_worker(env) as first, audit_worker(env):
-        ids = read(env, ask_all)
+        ids = through_broker(env, ask_all)
         first.send_signal(signal.SIGKILL)
         first.wait(5)
         with audit_worker(env):
             eventually(
-                lambda: all(p.state == "cancelled" for p in read(env, states)),
+                lambda: all(p.state == "cancelled" for p in through_broker(env, states)),
                 "every prompt expired",
                 30,
             )
             time.sleep(1.0)
-    counts = Counter((e.prompt_id, e.name) for e in read(env, _events))
-    for p in read(env, states):
+    counts = Counter((e.prompt_id, e.name) for e in through_broker(env, _events))
+    for p in through_broker(env, states):
         assert p.reason == "expired"
         assert counts[(p.prompt_id, "prompt.cancelled")] == 1
         assert counts[(p.prompt_id, "prompt.reminder")] <= 1  # at most once, even across the kill
