@@ -166,7 +166,10 @@ async def test_racing_timekeepers_take_every_step_once(make_broker: Any) -> None
         ids.append((await b.ask(f"r{i}", "ask_user_question", [Q])).prompt_id)
         await b.set_timing(
             f"r{i}",
-            Timing(remind=(0.2, 0.4), escalate=0.3, escalate_to="leads", deadline=0.8),
+            # 200 ms between steps: a look every 20 ms by each of three timekeepers must fall
+            # between any two of them, or the steps come due together and are taken as one
+            # (step.lua). At 100 ms apart a slow host once missed one (a reminder counted once).
+            Timing(remind=(0.4, 0.8), escalate=0.6, escalate_to="leads", deadline=1.2),
             prompt_id=ids[-1],
         )
     waits = [asyncio.create_task(b.wait(f"r{i}", p, timeout=10)) for i, p in enumerate(ids)]
