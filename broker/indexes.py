@@ -3,9 +3,10 @@ into buckets, and the merged reads over them.
 
 On a Redis Cluster a single index key lives on one primary, which every ask, answer and look
 would touch. So an index is `Keys.buckets` keys (broker/keys.py: `<index>:<i>`, or the index's
-own name with one bucket), and a thread's members always go to bucket `crc32(thread) % N`:
-every write for a thread names one key, in the pipeline beside the thread's script, and redis-py
-routes it to that bucket's node. A read merges the buckets: by score, as one sorted set would
+own name with one bucket), and a thread's members always go to one bucket, the one whose slot
+is the nearest at or below the thread's (`bucket_of`): every write for a thread names one key,
+in the pipeline beside the thread's script, and mostly on the thread's own node, so in the
+same round trip. A read merges the buckets: by score, as one sorted set would
 answer (ties by member, as Redis orders them).
 
 An index is a hint, never a decision: the records decide, and the sweep rebuilds each index
@@ -47,7 +48,7 @@ class Index:
 
     def key(self, thread_id: str) -> str:
         """The bucket holding `thread_id`'s members."""
-        return self.keys.bucket(self.name, bucket_of(thread_id, self.keys.buckets))
+        return self.keys.bucket(self.name, bucket_of(self.name, thread_id, self.keys.buckets))
 
     def key_of(self, member: str) -> str:
         """The bucket a member belongs in."""

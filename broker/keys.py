@@ -32,7 +32,8 @@ With the default prefix `pp`:
 
   These four are bucketed (broker/indexes.py): with `buckets` N > 1 (16 by default on a
   cluster), index `pp:open` is the N keys `pp:open:0` .. `pp:open:<N-1>`, and a thread's members
-  live in bucket `zlib.crc32(thread id) % N`; with one bucket (the default on one server) the
+  live in the bucket whose slot is the nearest at or below the thread's (`bucket_of`), so mostly
+  on the thread's own primary; with one bucket (the default on one server) the
   index is the one key `pp:open`, as it always was.
 - `pp:replicas` (sorted set): replica id -> its last heartbeat (ms, server time).
 - `{pp:replicas}:records` (hash): replica id -> `<incarnation>|<deadline ms, server time>`: the
@@ -51,9 +52,12 @@ has a TTL.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import re
-import zlib
 from dataclasses import dataclass
+
+from redis.crc import key_slot
 
 from broker.errors import BadItem
 
@@ -95,9 +99,27 @@ def check_prompt_id(prompt_id: object, field: str = "prompt_id") -> str:
     return prompt_id
 
 
-def bucket_of(thread_id: str, buckets: int) -> int:
-    """The bucket of a thread's index members: the same in every process (crc32, never hash())."""
-    return zlib.crc32(thread_id.encode()) % buckets if buckets > 1 else 0
+def bucket_of(index: str, thread_id: str, buckets: int) -> int:
+    """The bucket of index `index` that holds a thread's members: the bucket whose key's slot is
+    the nearest at or below the thread's slot, going round past slot 0 (the same in every
+    process: the slots are CRC16's, as Redis Cluster's).
+
+    A cluster gives each primary runs of neighbouring slots, so a thread's bucket is mostly on
+    the primary that holds the thread: the index writes beside a thread's script go in the
+    same round trip, to the same node. With N buckets and P primaries about P/N of threads
+    fall in a bucket across a boundary; they are still right, only a step more for that node.
+    """
+    if buckets <= 1:
+        return 0
+    slots, order = _bucket_slots(index, buckets)
+    return order[bisect.bisect_right(slots, key_slot(thread_id.encode())) - 1]
+
+
+@functools.lru_cache(maxsize=256)
+def _bucket_slots(index: str, buckets: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The slots of index `index`'s bucket keys in ascending order, and the bucket at each."""
+    pairs = sorted((key_slot(f"{index}:{i}".encode()), i) for i in range(buckets))
+    return tuple(s for s, _ in pairs), tuple(i for _, i in pairs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from broker import Broker, Question, Settings
-from broker.indexes import Index
+from broker import Broker, Keys, Question, Settings
+from broker.indexes import Index, Indexes
 from tests.conftest import RedisClusterNodes
 from workers.runtime import audit
 
@@ -124,3 +124,28 @@ async def test_a_lost_bucket_is_rebuilt_on_the_cluster(redis_cluster: RedisClust
         assert sorted(seen.expired) == sorted(threads) and seen.threads == 24
         assert sorted(await b.sessions.claim_many(threads, "r1", inc)) == sorted(threads)
         assert await b.indexes.leases.count(b.redis) == 0
+
+
+async def test_most_threads_index_buckets_are_on_their_own_primary(
+    redis_cluster: RedisClusterNodes,
+) -> None:
+    """A thread's bucket is the one whose slot is nearest below the thread's, so with the
+    default 16 buckets most threads' index writes go to the primary holding the thread's own
+    keys (in the same round trip as its script). Measured over 2,000 threads under the default
+    prefix and three others; a crc32 choice would share the primary for about a third."""
+    settings = _settings(redis_cluster)
+    async with Broker.from_url(settings=settings) as b:
+        assert isinstance(b.redis, RedisCluster)
+        await b.redis.initialize()
+        for prefix in ("pp", "acme", "c0ffee", "prod.agents"):
+            keys = Keys(prefix, cluster=True)
+            indexes = Indexes.of(keys)
+            shared = total = 0
+            for i in range(2000):
+                thread = f"thread-{i}"
+                home = b.redis.get_node_from_key(keys.thread(thread).prompts).name
+                for index in (indexes.open, indexes.audit, indexes.leases, indexes.due):
+                    shared += b.redis.get_node_from_key(index.key(thread)).name == home
+                    total += 1
+            print(f"prefix {prefix}: {shared / total:.0%} of index writes on the thread's primary")
+            assert shared / total >= 0.6, prefix

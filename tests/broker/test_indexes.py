@@ -6,10 +6,10 @@ timekeeper) working across buckets. One bucket (the default here) keeps today's 
 from __future__ import annotations
 
 import asyncio
-import zlib
 
 import httpx
 import pytest
+from redis.crc import key_slot
 
 from broker import Broker, Keys, Question, Timing
 from broker.indexes import Index
@@ -46,8 +46,13 @@ def _flat(by_key: dict[str, list[str]]) -> list[str]:
     return [m for members in by_key.values() for m in members]
 
 
-def _bucket(thread_id: str, n: int = 4) -> int:
-    return zlib.crc32(thread_id.encode()) % n
+def _bucket(index: str, thread_id: str, n: int = 4) -> str:
+    """The key of `index`'s bucket for `thread_id`, by the rule written out: of the n bucket
+    keys, the one whose slot is the highest at or below the thread's; if none is, the highest."""
+    slots = {f"{index}:{i}": key_slot(f"{index}:{i}".encode()) for i in range(n)}
+    mine = key_slot(thread_id.encode())
+    below = [k for k, s in slots.items() if s <= mine] or list(slots)
+    return max(below, key=slots.__getitem__)
 
 
 @pytest.mark.single_server("one server's default: one bucket, the old key names")
@@ -65,8 +70,8 @@ async def test_one_bucket_by_default_keeps_the_key_names(broker: Broker) -> None
 
 
 async def test_members_land_in_their_threads_bucket(bucketed: Broker) -> None:
-    """Open, audit and lease members go to bucket crc32(thread) % 4; the listing sees them all,
-    oldest first; delivery and audit empty the indexes."""
+    """Open, audit and lease members go to their thread's bucket (`_bucket`); the listing sees
+    them all, oldest first; delivery and audit empty the indexes."""
     b = bucketed
     threads = [f"thread-{i}" for i in range(12)]
     asked = []
@@ -79,9 +84,9 @@ async def test_members_land_in_their_threads_bucket(bucketed: Broker) -> None:
     assert len(open_keys) > 1
     for key, members in open_keys.items():
         for m in members:
-            assert key == f"{b.keys.open}:{_bucket(m.split('/')[0])}"
+            assert key == _bucket(b.keys.open, m.split("/")[0])
     for key, members in (await _keys_of(b, b.indexes.leases)).items():
-        assert all(key == f"{b.keys.leases}:{_bucket(t)}" for t in members)
+        assert all(key == _bucket(b.keys.leases, t) for t in members)
     assert sorted(_flat(await _keys_of(b, b.indexes.leases))) == sorted(threads)
     assert [p.prompt_id for p in await b.open_prompts()] == [p.prompt_id for p in asked]
     for t, p in zip(threads, asked, strict=True):
@@ -94,7 +99,7 @@ async def test_members_land_in_their_threads_bucket(bucketed: Broker) -> None:
         f"{t}/{p.prompt_id}" for t, p in zip(threads, asked, strict=True)
     )
     for key, members in audits.items():
-        assert all(key == f"{b.keys.audit}:{_bucket(m.split('/')[0])}" for m in members)
+        assert all(key == _bucket(b.keys.audit, m.split("/")[0]) for m in members)
     for t, p in zip(threads, asked, strict=True):
         assert await b.post_resolution(t, p.prompt_id)
     assert await b.indexes.audit.count(b.redis) == 0
@@ -184,7 +189,7 @@ async def test_deadlines_and_timekeeper_across_buckets(bucketed: Broker) -> None
     due = await _keys_of(b, b.indexes.due)
     assert len(due) > 1 and sum(len(m) for m in due.values()) == 6
     for key, members in due.items():
-        assert all(key == f"{b.keys.due}:{_bucket(m.split('/')[0])}" for m in members)
+        assert all(key == _bucket(b.keys.due, m.split("/")[0]) for m in members)
     await asyncio.sleep(0.1)
     assert await keeper.take_due() == 6
     assert await b.open_prompts() == [] and await b.indexes.due.count(b.redis) == 0
@@ -201,10 +206,8 @@ async def test_the_sweep_rebuilds_a_lost_bucket(bucketed: Broker) -> None:
         asked[t] = await b.ask(t, "approval", [APPROVAL])
     await b.cancel("r0", "stop")
     before = {i: await _keys_of(b, i) for i in (b.indexes.open, b.indexes.audit, b.indexes.leases)}
-    lost = f"{b.keys.open}:{_bucket('r1')}"
-    await b.redis.delete(
-        lost, f"{b.keys.leases}:{_bucket('r1')}", f"{b.keys.audit}:{_bucket('r0')}"
-    )
+    lost = _bucket(b.keys.open, "r1")
+    await b.redis.delete(lost, _bucket(b.keys.leases, "r1"), _bucket(b.keys.audit, "r0"))
     await audit.rebuild_indexes(b)
     await b.sessions.rebuild_leases()
     for index, was in before.items():
@@ -222,18 +225,24 @@ async def test_the_sweep_moves_members_of_a_former_bucket_count(
     await asyncio.sleep(0.002)
     await one.sessions.create("m2", "scripted", "approval", {})
     four = await make_broker(index_buckets=4)
-    q = await four.ask("m3", "approval", [APPROVAL])
-    await four.indexes.due.add(four.redis, {f"m3/{q.prompt_id}": 7})
     two = await make_broker(index_buckets=2)
+    # A thread whose open bucket of 4 is not its bucket of 2 (which depends on the prefix).
+    m3 = next(
+        t
+        for t in (f"m3-{i}" for i in range(100))
+        if four.indexes.open.key(t) != two.indexes.open.key(t)
+    )
+    q = await four.ask(m3, "approval", [APPROVAL])
+    await four.indexes.due.add(four.redis, {f"{m3}/{q.prompt_id}": 7})
     moved = await audit.rebuild_indexes(two)
     await two.sessions.rebuild_leases()
     await Timekeeper(two).scan()
-    assert moved["moved"] == 2  # m1 from the one key, m3 from bucket crc32 % 4
+    assert moved["moved"] == 2  # m1 from the one key, m3 from its bucket of 4
     opened = await _keys_of(two, two.indexes.open)
-    assert sorted(_flat(opened)) == sorted([f"m1/{p.prompt_id}", f"m3/{q.prompt_id}"])
+    assert sorted(_flat(opened)) == sorted([f"m1/{p.prompt_id}", f"{m3}/{q.prompt_id}"])
     assert sorted(await two.indexes.leases.members(two.redis)) == ["m2"]
     for index in (two.indexes.open, two.indexes.leases, two.indexes.due):
         for key, members in (await _keys_of(two, index)).items():
             assert all(key == index.key_of(m) for m in members), (key, members)
-    assert await two.redis.zscore(two.indexes.due.key("m3"), f"m3/{q.prompt_id}") == 7
+    assert await two.redis.zscore(two.indexes.due.key(m3), f"{m3}/{q.prompt_id}") == 7
     assert [x.prompt_id for x in await two.open_prompts()] == [p.prompt_id, q.prompt_id]
