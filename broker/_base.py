@@ -144,6 +144,7 @@ class BrokerBase:
 
     settings: Settings
     redis: Redis
+    queue_redis: Redis | None  # arq's queues, when on a Redis of their own (queue_url)
     keys: Keys
     identity: str
     _scripts: Scripts

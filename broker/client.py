@@ -183,6 +183,13 @@ class Broker(Routing, Delivery, Timings):
         self.sessions = Sessions(self)
         self._closed = False
         self._deliveries: set[asyncio.Task[None]] = set()
+        # arq's queues on a Redis of their own (PROMPT_BROKER_QUEUE_URL), else on `redis`: a
+        # cluster's every lifecycle would put its job on the one primary of arq's slot.
+        self.queue_redis: Redis | None = None
+        if self.settings.queue_url:
+            queue = Redis.from_url(self.settings.queue_url, decode_responses=True)
+            self.queue_redis = _fast_packing(queue)
+            self._derived.append(self.queue_redis)
         # The stream trimming policy every script that adds an item applies (_retain.lua).
         self._retention = (self.settings.stream_max_items, self.settings.stream_max_age)
 
@@ -471,6 +478,7 @@ class Broker(Routing, Delivery, Timings):
         self._queue_resolved(pipe, thread_id, prompt_id)
         events.queue_event(pipe, self.keys, events.CANCELLED, thread_id, prompt_id, reason=reason)
         await self._scripts.run_pipeline(self.redis, pipe)
+        await self._audit_job_after(thread_id, prompt_id)
 
     async def append_agent_data(self, thread_id: str, name: str, elements: Sequence[bytes]) -> int:
         """Append `elements` to a harness's list `agent:<name>` on the thread (agent.lua): the

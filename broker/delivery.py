@@ -157,6 +157,7 @@ class Delivery(Reads):
                     ) from e
         if status == "fenced":
             raise Fenced(tk.thread_id, epoch or 0, int(value) if value else None)
+        await self._audit_job_after(tk.thread_id, prompt_id)
         logger.info(
             "prompt.delivered",
             extra={
@@ -174,16 +175,37 @@ class Delivery(Reads):
         self._queue_audit_job(pipe, thread_id, prompt_id)
 
     def _queue_audit_job(self, pipe: Any, thread_id: str, prompt_id: str) -> None:
-        """arq's enqueue_job, as one script in `pipe`: one job per prompt, whoever enqueues."""
+        """arq's enqueue_job, as one script in `pipe`: one job per prompt, whoever enqueues.
+
+        With arq's queue on a Redis of its own (`queue_redis`) nothing goes in `pipe`: the
+        caller runs `_audit_job_after` once its pipeline has run."""
+        if self.queue_redis is None:
+            self._scripts.queue(pipe, "enqueue", *self._audit_job(thread_id, prompt_id))
+
+    def _audit_job(self, thread_id: str, prompt_id: str) -> tuple[list[str], list[Any]]:
+        """The keys and arguments of enqueue.lua for a prompt's audit job."""
         job_id = self.keys.audit_job_id(thread_id, prompt_id)
         now = now_ms()
         job = serialize_job(AUDIT_JOB, (thread_id, prompt_id), {}, None, now)
-        self._scripts.queue(
-            pipe,
-            "enqueue",
-            [job_key_prefix + job_id, result_key_prefix + job_id, self.keys.audit_queue],
-            [job_id, job, _AUDIT_EXPIRES_MS, now],
-        )
+        keys = [job_key_prefix + job_id, result_key_prefix + job_id, self.keys.audit_queue]
+        return keys, [job_id, job, _AUDIT_EXPIRES_MS, now]
+
+    async def _audit_job_after(self, thread_id: str, prompt_id: str) -> None:
+        """With arq's queue on a Redis of its own, enqueue the audit job of a step that has
+        run (after it, so the job never finds the step undone). If that Redis cannot be
+        reached the step stands: the resolution is in the audit index, and the reconcile
+        sweep enqueues its job (workers/runtime/audit.py)."""
+        if self.queue_redis is None:
+            return
+        try:
+            await self._scripts.call(
+                self.queue_redis, "enqueue", *self._audit_job(thread_id, prompt_id)
+            )
+        except (RedisError, OSError) as e:
+            logger.warning(
+                "prompt.audit_unqueued",
+                extra={"thread_id": thread_id, "prompt_id": prompt_id, "error": repr(e)},
+            )
 
     @_reaching("enqueueing the audit job", None)
     async def enqueue_audit(self, thread_id: str, prompt_id: str) -> bool:
@@ -191,9 +213,8 @@ class Delivery(Reads):
         self._check_open()
         self.thread(thread_id)
         check_prompt_id(prompt_id)
-        pipe = self.redis.pipeline(transaction=False)
-        self._queue_audit_job(pipe, thread_id, prompt_id)
-        (queued,) = await self._scripts.run_pipeline(self.redis, pipe)
+        queue = self.queue_redis or self.redis
+        queued = await self._scripts.call(queue, "enqueue", *self._audit_job(thread_id, prompt_id))
         return bool(queued)
 
     async def listen(self, thread_id: str, listener: Callable[[str, Wake], None]) -> None:

@@ -170,6 +170,8 @@ class BrokerCore(LeaseCore, Protocol):
 
     def _queue_audit_job(self, pipe: Any, thread_id: str, prompt_id: str) -> None: ...
 
+    async def _audit_job_after(self, thread_id: str, prompt_id: str) -> None: ...
+
     async def cancel(
         self,
         thread_id: str,
@@ -289,6 +291,7 @@ class Sessions(Leases):
             return Handover("already", str(reply[1]))
         audit = self._b.indexes.audit.key(thread_id)
         await self._b.redis.zadd(audit, {member: int(reply[1])}, nx=True)
+        await self._b._audit_job_after(thread_id, prompt_id)
         return Handover("handed", str(reply[1]))
 
     async def deliver(self, thread_id: str, prompt_id: str, epoch: int, token: str) -> Handover:
@@ -311,6 +314,7 @@ class Sessions(Leases):
             raise _fenced(thread_id, epoch, reply)
         if reply[0] == "state":
             return Handover("unanswered", str(reply[1]))
+        await self._b._audit_job_after(thread_id, prompt_id)
         first = reply[0] == "delivered"
         logger.info(
             "prompt.delivered",

@@ -35,6 +35,11 @@ class Settings(BaseModel):
         description="redis_url names a node of a Redis Cluster, or several (h1:p1,h2:p2; "
         "experimental)",
     )
+    queue_url: str = Field(
+        "",
+        description="a Redis server of its own for arq's queues (the audit jobs, webhook "
+        "deliveries); empty: redis_url's (on a cluster, the primary owning their slot)",
+    )
     wait_replicas: int = Field(
         0,
         ge=0,
@@ -112,6 +117,13 @@ class Settings(BaseModel):
         [],
         description="the worker's own guarded-policy rules (a JSON list), tried before a thread's",
     )
+
+    @field_validator("queue_url")
+    @classmethod
+    def _queue_url(cls, value: str) -> str:
+        if value and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"{value!r} is not a Redis URL (redis://, rediss:// or unix://)")
+        return value
 
     @field_validator("policy_rules", mode="before")
     @classmethod

@@ -178,7 +178,13 @@ def create_app(
         await hub.start()
         hooks = None
         if api_settings.webhooks:
-            hooks = Dispatcher(b.redis, b.keys, api_settings.webhooks, **webhook_options)
+            hooks = Dispatcher(
+                b.redis,
+                b.keys,
+                api_settings.webhooks,
+                queue_redis=b.queue_redis,
+                **webhook_options,
+            )
             await hooks.start()
         app.state.api = Api(b, api_settings, gate, hub, hooks)
         try:

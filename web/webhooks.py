@@ -152,8 +152,12 @@ class Dispatcher:
         tries: int = TRIES,
         claim_idle_ms: int = 60_000,
         claim_every: float = 30.0,
+        queue_redis: Redis | None = None,
     ) -> None:
+        """`queue_redis`: the Redis of arq's queues when they have one of their own (the
+        Broker's `queue_redis`, PROMPT_BROKER_QUEUE_URL); else they are on `redis`."""
         self.redis = redis
+        self.queue_redis = queue_redis
         self.keys = keys
         self.hooks = {h.id: h for h in hooks}
         self.queue = f"{keys.audit_slot}{keys.prefix}:webhooks:queue"  # tagged on a cluster
@@ -187,11 +191,13 @@ class Dispatcher:
                 await self._arq.aclose(close_connection_pool=True)
 
     async def _pool(self, *, refresh: bool = False) -> ArqRedis:
-        """arq's connection: to the server, or on a cluster to the primary owning the queue's
-        slot; with `refresh` made again (that primary is looked up anew)."""
+        """arq's connection: to the queue's own Redis or the server, or on a cluster to the
+        primary owning the queue's slot; with `refresh` made again (that primary is looked up
+        anew)."""
         if self._arq is not None and not refresh:
             return self._arq
-        old, self._arq = self._arq, await _arq_pool(self.redis, self.queue, refresh=refresh)
+        where = self.queue_redis or self.redis
+        old, self._arq = self._arq, await _arq_pool(where, self.queue, refresh=refresh)
         if old is not None:
             with contextlib.suppress(RedisError, OSError):
                 await old.aclose(close_connection_pool=True)

@@ -206,3 +206,88 @@ async def test_serve_rides_out_a_watch_error(
             await serving
         await delete_prefix(broker.redis, prefix)
         await broker.aclose()
+
+
+# -- arq's queue on a Redis of its own (PROMPT_BROKER_QUEUE_URL) -------------------------------
+
+
+async def _run_worker_on(broker: Broker, queue: ArqRedis) -> None:
+    """The audit worker as `prompt-broker audit` runs it with a queue URL: arq on that Redis."""
+    kwargs = audit.worker_settings(broker.settings) | {"handle_signals": False}
+    assert kwargs["redis_settings"].port == queue.connection_pool.connection_kwargs["port"]
+    del kwargs["redis_settings"], kwargs["on_startup"], kwargs["on_shutdown"]
+    worker = audit.AuditWorker(**kwargs, redis_pool=queue, burst=True)
+    worker.ctx["broker"] = broker
+    try:
+        await asyncio.wait_for(worker.async_run(), 30)
+    finally:
+        await worker.close()
+
+
+async def test_with_a_queue_url_the_audit_jobs_live_on_that_redis(
+    make_broker: BrokerFactory,
+    redis_server_factory: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With `queue_url` the audit job of an answer, a cancel and a parked handover is enqueued
+    on that Redis and none on the broker's own; the worker there posts each resolution once."""
+    monkeypatch.setattr(arq.worker, "log_redis_info", _no_info)
+    queue_server = redis_server_factory(appendonly=False)
+    broker = await make_broker(queue_url=queue_server.url)
+    answered = await broker.ask("qa", "approval", [APPROVAL])
+    await broker.post_item("qa", text("yes"))
+    await broker.wait("qa", answered.prompt_id, timeout=5)
+    await broker.settle()
+    cancelled = await broker.ask("qc", "approval", [APPROVAL])
+    await broker.cancel("qc", "not needed")
+    queue = ArqRedis.from_url(queue_server.url)
+    try:
+        queued = await queue.zrange(broker.keys.audit_queue, 0, -1)
+        assert sorted(queued) == sorted(
+            broker.keys.audit_job_id(t, p.prompt_id).encode()
+            for t, p in (("qa", answered), ("qc", cancelled))
+        )
+        assert await broker.redis.exists(broker.keys.audit_queue) == 0
+        await _run_worker_on(broker, queue)
+        assert await queue.zcard(broker.keys.audit_queue) == 0
+    finally:
+        await queue.aclose(close_connection_pool=True)
+    assert len(resolutions(await broker.items("qa"), answered.prompt_id)) == 1
+    assert len(resolutions(await broker.items("qc"), cancelled.prompt_id)) == 1
+    assert await index_count(broker, "audit") == 0
+
+
+async def test_a_queue_redis_down_leaves_the_answer_standing_and_reconcile_queues_it(
+    make_broker: BrokerFactory,
+    redis_server_factory: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The queue's Redis stopped: the answer is still delivered once and stays in the audit
+    index, a warning says its job was not queued; with that Redis back, reconcile queues it
+    and the worker posts it once."""
+    monkeypatch.setattr(arq.worker, "log_redis_info", _no_info)
+    queue_server = redis_server_factory(appendonly=False)
+    port = queue_server.port
+    queue_server.stop()
+    broker = await make_broker(queue_url=queue_server.url, audit_grace=0)
+    p = await broker.ask("down", "approval", [APPROVAL])
+    await broker.post_item("down", text("yes"))
+    [answer] = await broker.wait("down", p.prompt_id, timeout=5)
+    assert answer.answer == ["Approve"]
+    await broker.settle()
+    assert (await broker.get_prompt("down", p.prompt_id)).delivered_at is not None
+    assert [r.getMessage() for r in caplog.records if r.getMessage() == "prompt.audit_unqueued"]
+    assert await index_members(broker, "audit") == [f"down/{p.prompt_id}"]
+    back = redis_server_factory(appendonly=False)  # a fresh server in its place
+    broker2 = await make_broker(queue_url=back.url, audit_grace=0)
+    assert back.port != port  # a new server: nothing of the first survived
+    counts = await audit.reconcile({"broker": broker2, "runs": 1})
+    assert counts["requeued"] == 1
+    queue = ArqRedis.from_url(back.url)
+    try:
+        await _run_worker_on(broker2, queue)
+    finally:
+        await queue.aclose(close_connection_pool=True)
+    assert len(resolutions(await broker2.items("down"), p.prompt_id)) == 1
+    assert await index_count(broker2, "audit") == 0

@@ -319,6 +319,17 @@ def test_unknown_setting_is_one_line(
     assert line.startswith("prompt-broker: error: PROMPT_BROKER_FOO: unknown setting")
 
 
+def test_a_queue_url_that_is_no_redis_url_is_one_line(
+    env: Env, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PROMPT_BROKER_QUEUE_URL must name a Redis: one line naming the variable, exit 2."""
+    monkeypatch.setenv("PROMPT_BROKER_QUEUE_URL", "http://127.0.0.1:6379")
+    assert main(["open"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("prompt-broker: error: PROMPT_BROKER_QUEUE_URL: "), line
+    assert "is not a Redis URL" in line
+
+
 def test_usage_errors_exit_2(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     """No subcommand, or a bad thread id, is a mistake: exit 2."""
     with pytest.raises(SystemExit) as exc:

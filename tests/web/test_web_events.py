@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+import redis
 
 from broker import Broker, events
+from tests.conftest import BrokerFactory
 from tests.helpers import truthy, until
 from web import sse
 from web.app import create_app
@@ -300,6 +302,29 @@ async def test_webhooks_signed_retried_and_deduplicated(broker: Broker) -> None:
     assert deliveries("delivered") - before["delivered"] == 2  # serve's /metrics counts them
     assert deliveries("retried") - before["retried"] == flaky.calls - 2
     assert deliveries("failed") == before["failed"]
+
+
+async def test_webhook_jobs_go_to_the_queue_redis_of_their_own(
+    make_broker: BrokerFactory, redis_server_factory: Callable[..., Any]
+) -> None:
+    """With `queue_url` the deliveries' arq jobs are queued and worked on that Redis: both
+    events reach the subscriber, and the queue's server took their jobs."""
+    from web.receiver import Receiver
+
+    queue_server = redis_server_factory(appendonly=False)
+    broker = await make_broker(queue_url=queue_server.url)
+    receiver = Receiver(SECRET, "http://inbox.example")
+    async with _hooked(broker, receiver.handle):
+        await broker.ask("q", "approval", [APPROVAL])
+        await said(receiver, 1, "the opening")
+        await broker.post_item("q", {"author": "bob", "content": [{"type": "text", "text": "1"}]})
+        await said(receiver, 2, "the answer")
+    with redis.Redis(port=queue_server.port) as queue:
+        stats = queue.info("commandstats")
+        # arq's enqueue (a MULTI with ZADD) per delivery, and its worker's poll of the queue.
+        assert stats["cmdstat_zadd"]["calls"] >= 2, stats
+        assert stats["cmdstat_zrangebyscore"]["calls"] >= 1, stats
+        assert queue.zcard(f"{broker.keys.audit_slot}{broker.keys.prefix}:webhooks:queue") == 0
 
 
 async def test_the_receiver_checks_signatures_and_dedupes() -> None:

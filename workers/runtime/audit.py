@@ -223,7 +223,8 @@ _known_nodes: list[tuple[str, int]] = []
 
 
 def _queue_url(settings: Settings, queue: str) -> str:
-    """Where arq works: the Redis server, or on a cluster the primary owning the queue's slot.
+    """Where arq works: the queue's own Redis (`queue_url`), the Redis server, or on a cluster
+    the primary owning the queue's slot.
 
     arq cannot span slots; on a cluster every key it touches for the audit jobs shares the
     queue's hash tag (broker/keys.py), so one primary holds them all. Looked up each time a
@@ -231,6 +232,8 @@ def _queue_url(settings: Settings, queue: str) -> str:
     the worker started again finds the promoted primary. Raises `RedisClusterException` when
     no node answers or the slot has no primary yet (the caller tries again).
     """
+    if settings.queue_url:
+        return settings.queue_url
     if not settings.redis_cluster:
         return settings.redis_url
     others = [redis.cluster.ClusterNode(h, p) for h, p in _known_nodes]  # type: ignore[no-untyped-call]
@@ -266,7 +269,8 @@ def worker_settings(settings: Settings | None = None) -> dict[str, Any]:
         ],
         "queue_name": keys.audit_queue,
         "redis_settings": _redis_settings(
-            _queue_url(settings, keys.audit_queue), cluster=settings.redis_cluster
+            _queue_url(settings, keys.audit_queue),
+            cluster=settings.redis_cluster and not settings.queue_url,
         ),
         "job_timeout": settings.audit_job_timeout,
         # No result kept: posting is idempotent on its own, and a kept result would block

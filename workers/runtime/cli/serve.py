@@ -170,7 +170,7 @@ async def cmd_webhooks(args: argparse.Namespace, settings: Settings) -> int:
     subscriptions = ApiSettings.from_env().webhooks
     async with Broker.from_url(settings=settings, socket_connect_timeout=5) as b:
         # The server's own reader and writer of the failed deliveries, so both see one record.
-        hooks = Dispatcher(b.redis, b.keys, subscriptions)
+        hooks = Dispatcher(b.redis, b.keys, subscriptions, queue_redis=b.queue_redis)
         try:
             if args.action == "replay":
                 if not await hooks.replay(args.delivery):
