@@ -836,6 +836,7 @@ class Load:
     cluster: bool
     seconds: float
     prefix: str
+    queue_url: str = ""  # arq's queue on a redis-server of its own (PROMPT_BROKER_QUEUE_URL)
 
 
 def _throughput_process(conn: PipeEnd, load: Load, name: str) -> None:
@@ -851,7 +852,7 @@ async def _lifecycles_for(conn: PipeEnd, load: Load, name: str) -> int:
     """Lifecycles (ask, answer, wait returning) done in `load.seconds` from the parent's go,
     THREADS_PER_PROCESS at a time, on threads of their own (`name`) under the fleet's prefix."""
     answer = {"content": [{"type": "text", "text": "yes"}]}
-    settings = Settings(key_prefix=load.prefix)
+    settings = Settings(key_prefix=load.prefix, queue_url=load.queue_url)
     async with Broker.from_url(load.url, settings, cluster=load.cluster) as b:
         await b.redis.ping()  # connected, before the clock starts
         conn.send("ready")
@@ -883,6 +884,8 @@ def lifecycles_per_second(
     processes: int,
     seconds: float,
     started: Callable[[], None] = lambda: None,
+    *,
+    queue_url: str = "",
 ) -> float:
     """Every process drives its threads for `seconds`, all from one go (`started` is called
     then), under the default key prefix as one fleet would: the aggregate lifecycles/s."""
@@ -893,7 +896,7 @@ def lifecycles_per_second(
     pipes = []
     for i in range(processes):
         parent, child = ctx.Pipe()
-        load = Load(url, cluster, seconds, prefix)
+        load = Load(url, cluster, seconds, prefix, queue_url)
         proc = ctx.Process(target=_throughput_process, args=(child, load, f"{prefix}-p{i}"))
         proc.start()
         pipes.append((parent, proc))
@@ -923,27 +926,55 @@ def _server_counts(port: int) -> tuple[float, int]:
 
 @dataclass
 class Shard:
-    """One setup of the figure: its lifecycles/s and what its primaries did."""
+    """One setup of the figure, summed over its rounds: lifecycles, and what its primaries
+    (and the queue's own server, when it has one) did meanwhile."""
 
-    rate: float
-    cpu_per_lifecycle: float  # primaries' CPU seconds per lifecycle
-    reads_per_lifecycle: float  # socket reads the primaries processed per lifecycle
-    busy: list[float]  # each primary's CPU seconds per second of the run
+    label: str
+    url: str
+    cluster: bool
+    primaries: list[int]
+    queue: RedisServer | None = None
+    lifecycles: int = 0
+    seconds: float = 0.0
+    cpu: list[float] = field(default_factory=list)  # each primary's CPU seconds
+    reads: int = 0  # socket reads the primaries processed
+    queue_cpu: float = 0.0
+    rates: list[float] = field(default_factory=list)  # each round's lifecycles/s
+
+    @property
+    def rate(self) -> float:
+        return self.lifecycles / self.seconds
+
+    @property
+    def per_lifecycle(self) -> tuple[float, float]:
+        """The primaries' CPU seconds and socket reads per lifecycle."""
+        done = max(1, self.lifecycles)
+        return sum(self.cpu) / done, self.reads / done
 
 
-def _drive(url: str, cluster: bool, primaries: list[int], processes: int, seconds: float) -> Shard:
+def _drive(shard: Shard, processes: int, seconds: float) -> None:
+    """One round of `shard`'s setup, added to it."""
+    ports = [*shard.primaries, *([shard.queue.port] if shard.queue is not None else [])]
     before: list[tuple[float, int]] = []
 
     def started() -> None:
-        before.extend(_server_counts(p) for p in primaries)
+        before.extend(_server_counts(p) for p in ports)
 
-    rate = lifecycles_per_second(url, cluster, processes, seconds, started)
-    after = [_server_counts(p) for p in primaries]
+    queue_url = shard.queue.url if shard.queue is not None else ""
+    rate = lifecycles_per_second(
+        shard.url, shard.cluster, processes, seconds, started, queue_url=queue_url
+    )
+    after = [_server_counts(p) for p in ports]
     spent = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
-    reads = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
-    done = max(1.0, rate * seconds)
+    reads = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+    n = len(shard.primaries)
     # The processes ran `seconds` from the go; reading each server's counts took a moment more.
-    return Shard(rate, sum(spent) / done, reads / done, [x / seconds for x in spent])
+    shard.lifecycles += round(rate * seconds)
+    shard.seconds += seconds
+    shard.cpu = [x + y for x, y in zip(shard.cpu or [0.0] * n, spent[:n], strict=True)]
+    shard.reads += sum(reads[:n])
+    shard.queue_cpu += sum(spent[n:])
+    shard.rates.append(rate)
 
 
 def _one_shard(root: Path) -> RedisClusterNodes:
@@ -987,42 +1018,65 @@ def _primaries(cluster: RedisClusterNodes) -> list[int]:
     return ports
 
 
-def bench_cluster(exe: str, processes: int, seconds: float, redis_cpu: float | None) -> None:
+def bench_cluster(
+    exe: str, processes: int, seconds: float, redis_cpu: float | None, rounds: int = 3
+) -> None:
     """Aggregate lifecycles/s from several client processes: one primary, then three.
 
     The target compares like with like: a cluster of one shard (a primary and its replica)
-    against one of three such shards. One redis-server on its own (the default deployment)
-    is printed for reference. With `redis_cpu`, every redis-server of every setup (primaries
-    and replicas) is held to that share of one CPU, so the servers, not the machine, are the
-    limit."""
-    from cpu_cap import cpu_capped, quota_percent
+    against one of three such shards, each with arq's queue in the cluster and then on a
+    redis-server of its own (PROMPT_BROKER_QUEUE_URL). One redis-server on its own (the
+    default deployment) is printed for reference. With `redis_cpu`, every redis-server (the
+    queue's too) is held to that share of one CPU, so the servers, not the machine, are the
+    limit. The setups take turns, `rounds` times `seconds / rounds` each: a host whose speed
+    drifts (this one's did by a fifth within minutes) slows them all alike."""
+    from cpu_cap import cpu_capped
     from private_redis import PrivateRedis
 
     sys.path.insert(0, _ROOT)
     from tests.conftest import start_cluster
 
-    def run(url: str, cluster: bool, nodes: list[RedisServer], primaries: list[int]) -> Shard:
-        pids = [n.proc.pid for n in nodes if n.proc is not None]
-        with cpu_capped(pids, redis_cpu) if redis_cpu else contextlib.nullcontext():
-            return _drive(url, cluster, primaries, processes, seconds)
-
-    with tempfile.TemporaryDirectory() as d:
-        server = PrivateRedis(exe, free_port(), Path(d) / "single")
-        server.dir.mkdir()
-        server.start()
-        try:
-            alone = run(server.url, False, [server], [server.port])
-        finally:
-            server.stop()
-        shards: list[Shard] = []
+    with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
+        root = Path(d)
+        servers: list[RedisServer] = []
+        for name in ("single", "queue"):
+            server = PrivateRedis(exe, free_port(), root / name)
+            server.dir.mkdir()
+            server.start()
+            stack.callback(server.stop)
+            servers.append(server)
+        single, queue = servers
+        clusters = []
         for start in (_one_shard, start_cluster):
-            (Path(d) / start.__name__).mkdir()
-            cluster = start(Path(d) / start.__name__)
-            try:
-                shards.append(run(cluster.url, True, cluster.nodes, _primaries(cluster)))
-            finally:
-                cluster.stop()
-    one, three = shards
+            (root / start.__name__).mkdir()
+            cluster = start(root / start.__name__)
+            stack.callback(cluster.stop)
+            clusters.append(cluster)
+            servers.extend(cluster.nodes)
+        one, three = ((c.url, True, _primaries(c)) for c in clusters)
+        one_label = "a cluster of one primary (and its replica):"
+        three_label = "a cluster of three primaries (a replica each):"
+        shards = [
+            Shard("one redis-server, no replica (reference):", single.url, False, [single.port]),
+            Shard(one_label, *one),
+            Shard(three_label, *three),
+            Shard("  " + one_label, *one, queue),
+            Shard("  " + three_label, *three, queue),
+        ]
+        pids = [n.proc.pid for n in servers if n.proc is not None]
+        with cpu_capped(pids, redis_cpu) if redis_cpu else contextlib.nullcontext():
+            for _ in range(rounds):
+                for shard in shards:
+                    _drive(shard, processes, seconds / rounds)
+    _print_cluster(shards, processes, seconds, redis_cpu, rounds)
+
+
+def _print_cluster(
+    shards: list[Shard], processes: int, seconds: float, redis_cpu: float | None, rounds: int
+) -> None:
+    from cpu_cap import quota_percent
+
+    alone, one, three, one_q, three_q = shards
     cap = (
         f"each redis-server held to {quota_percent(redis_cpu):g}% of one CPU (a cgroup quota)"
         if redis_cpu
@@ -1030,29 +1084,31 @@ def bench_cluster(exe: str, processes: int, seconds: float, redis_cpu: float | N
     )
     print(
         f"\n4. Lifecycles per second, {processes} client processes of {THREADS_PER_PROCESS} "
-        "threads each, one key prefix (one fleet), "
-        f"{seconds:.0f} s; {cap}"
+        f"threads each, one key prefix (one fleet), {seconds:g} s a setup in {rounds} turns; "
+        f"{cap}"
     )
     print(
-        f"   {'':46} {'lifecycles/s':>12} {'primary CPU/lifecycle':>22} {'reads/lifecycle':>16}"
+        f"   {'':48} {'lifecycles/s':>12} {'primary CPU/lifecycle':>22} {'reads/lifecycle':>16}"
         "  each primary busy"
     )
-    for label, shard in (
-        ("one redis-server, no replica (reference):", alone),
-        ("a cluster of one primary (and its replica):", one),
-        ("a cluster of three primaries (a replica each):", three),
-    ):
-        busy = " ".join(f"{b * 100:4.1f}%" for b in shard.busy)
+    for shard in shards:
+        if shard is one_q:
+            print("   arq's queue on a redis-server of its own (PROMPT_BROKER_QUEUE_URL):")
+        cpu, reads = shard.per_lifecycle
+        busy = " ".join(f"{c / shard.seconds * 100:4.1f}%" for c in shard.cpu)
+        if shard.queue is not None:
+            busy += f"   queue's server {shard.queue_cpu / shard.seconds * 100:.1f}%"
+        print(f"   {shard.label:48} {shard.rate:12,.0f} {cpu * 1e6:19.1f} us {reads:16.2f}  {busy}")
+    for where, a, b in (("in the cluster", one, three), ("on its own server", one_q, three_q)):
+        ratio = b.rate / a.rate
+        turns = [y / x for x, y in zip(a.rates, b.rates, strict=True)]
         print(
-            f"   {label:46} {shard.rate:12,.0f} {shard.cpu_per_lifecycle * 1e6:19.1f} us "
-            f"{shard.reads_per_lifecycle:16.2f}  {busy}"
+            f"   scaling, three primaries / one, arq's queue {where}: {ratio:.2f}x "
+            f"(turns {min(turns):.2f}-{max(turns):.2f}x)   target >= {SCALING_TARGET:g}x: "
+            f"{verdict(ratio >= SCALING_TARGET)}"
         )
-    ratio = three.rate / one.rate
-    print(
-        f"   scaling, three primaries / one: {ratio:.2f}x   target >= {SCALING_TARGET:g}x: "
-        f"{verdict(ratio >= SCALING_TARGET)}   (against the lone server: "
-        f"{three.rate / alone.rate:.2f}x)"
-    )
+    print(f"   (three primaries against the lone server: {three.rate / alone.rate:.2f}x; the")
+    print("   primaries' CPU and reads per lifecycle leave the queue's own server out)")
     print(f"   on {multiprocessing.cpu_count()} CPUs shared by the clients and every server")
     if not redis_cpu:
         print(
@@ -1137,6 +1193,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--seconds", type=float, default=10.0, help="how long --only cluster drives each setup"
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="turns the setups of --only cluster take, each driven --seconds / --rounds a turn",
+    )
+    parser.add_argument(
         "--redis-cpu",
         type=float,
         default=None,
@@ -1186,7 +1248,12 @@ async def run(args: argparse.Namespace, url: str) -> None:
         await bench_memory(url, args.prompts, args.batch, args.parked)
     if "cluster" in only:
         await asyncio.to_thread(
-            bench_cluster, args.redis_server, args.processes, args.seconds, args.redis_cpu
+            bench_cluster,
+            args.redis_server,
+            args.processes,
+            args.seconds,
+            args.redis_cpu,
+            args.rounds,
         )
 
 
