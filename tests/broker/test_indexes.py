@@ -215,6 +215,37 @@ async def test_the_sweep_rebuilds_a_lost_bucket(bucketed: Broker) -> None:
         assert {k: sorted(v) for k, v in now.items()} == {k: sorted(v) for k, v in was.items()}
 
 
+async def test_the_sweep_moves_members_a_former_rule_left_in_another_bucket(
+    make_broker: BrokerFactory,
+) -> None:
+    """A member in a bucket of the current count that is not its thread's (where the crc32
+    rule of an earlier build put it) is moved into its own by the sweep, keeping its score;
+    a member already in its own stays."""
+    b = await make_broker(index_buckets=4)
+    threads = [f"old-{i}" for i in range(8)]
+    asked = {t: await b.ask(t, "approval", [APPROVAL]) for t in threads}
+    index = b.indexes.open
+    # Two threads' members moved where another rule would have put them.
+    moved = []
+    for t in threads[:2]:
+        member = f"{t}/{asked[t].prompt_id}"
+        own = index.key(t)
+        other = next(k for k in index.all_keys() if k != own)
+        score = await b.redis.zscore(own, member)
+        await b.redis.zrem(own, member)
+        await b.redis.zadd(other, {member: score})
+        moved.append((member, score))
+    counts = await audit.rebuild_indexes(b)
+    assert counts["moved"] == 2
+    for key, members in (await _keys_of(b, index)).items():
+        assert all(key == index.key_of(m) for m in members), (key, members)
+    for member, score in moved:
+        assert await b.redis.zscore(index.key_of(member), member) == score
+    assert sorted(p.prompt_id for p in await b.open_prompts()) == sorted(
+        p.prompt_id for p in asked.values()
+    )
+
+
 async def test_the_sweep_moves_members_of_a_former_bucket_count(
     make_broker: BrokerFactory,
 ) -> None:
