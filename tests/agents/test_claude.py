@@ -1152,3 +1152,30 @@ async def test_replica_killed_after_the_command_while_the_model_reply_is_pending
     assert item.metadata["interrupted"]["note"] == note
     assert note in told and told.index(note) < told.index("What now?")
     assert "Bash completed" in result_of(fake, call["id"])["text"]
+
+
+def test_a_replica_imports_the_claude_sdk_on_first_use_not_at_start() -> None:
+    """`default_harnesses` registers claude_code without importing the SDK (most of a
+    replica's start); the first use imports it, and `warm` does so on a thread of its own."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, time
+from workers.runtime.replica import OnFirstUse, default_harnesses
+h = default_harnesses()["claude_code"]
+assert isinstance(h, OnFirstUse) and h.name == "claude_code" and not h.loaded
+assert "claude_agent_sdk" not in sys.modules and "workers.agents.claude" not in sys.modules
+h.warm()
+deadline = time.monotonic() + 60
+while not h.loaded and time.monotonic() < deadline:
+    time.sleep(0.01)
+from workers.agents.claude import ClaudeHarness
+assert isinstance(h.load(), ClaudeHarness) and h.load() is h.load()
+assert h.root == h.load().root  # the harness's own attributes, through it
+print("ok")
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

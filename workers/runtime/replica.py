@@ -37,24 +37,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
+import importlib.util
 import os
 import random
 import socket
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Any
 
 from ulid import ULID
 
 from broker import Broker, BrokerError, Settings
 from workers.agents import policy
-from workers.agents.harness import Harness
+from workers.agents.harness import AgentStore, Harness, Turn, TurnResult
 from workers.runtime.adoption import Adoption
 from workers.runtime.examine import Examining
 from workers.runtime.heartbeat import Heartbeat
 from workers.runtime.holding import _HeldWait, _Thread, logger
 
-__all__ = ["Replica", "default_harnesses"]
+__all__ = ["OnFirstUse", "Replica", "default_harnesses"]
 
 
 def default_harnesses() -> dict[str, Harness]:
@@ -62,13 +66,60 @@ def default_harnesses() -> dict[str, Harness]:
     from workers.agents.scripted import ScriptedHarness
 
     harnesses: dict[str, Harness] = {"scripted": ScriptedHarness(), "codex": CodexHarness()}
-    try:  # the `claude` extra: only when claude-agent-sdk is installed
-        from workers.agents.claude import ClaudeHarness
-    except ImportError:
-        pass
-    else:
-        harnesses["claude_code"] = ClaudeHarness()
+    # The `claude` extra: only when claude-agent-sdk is installed; imported on first use.
+    if importlib.util.find_spec("claude_agent_sdk") is not None:
+        harnesses["claude_code"] = OnFirstUse(
+            "claude_code", "workers.agents.claude", "ClaudeHarness"
+        )
     return harnesses
+
+
+class OnFirstUse:
+    """A harness whose module is imported when it is first used, not when the replica starts.
+
+    Importing the Claude Agent SDK (and the MCP client under it) took about 0.9 s of 1.6 s
+    to import a replica's modules here, and a replica that starts after a crash has its
+    record to write and threads to adopt first. `warm` imports it on a thread of its own: the
+    replica starts that once its first looks for threads to adopt are done (`Replica._warm`).
+    A turn that needs it sooner imports it then (waiting for the thread's import, if any)."""
+
+    def __init__(self, name: str, module: str, cls: str) -> None:
+        self.name, self._module, self._cls = name, module, cls
+        self._harness: Harness | None = None
+        self._lock = threading.Lock()
+
+    def load(self) -> Harness:
+        with self._lock:
+            if self._harness is None:
+                self._harness = getattr(importlib.import_module(self._module), self._cls)()
+            return self._harness
+
+    @property
+    def loaded(self) -> bool:
+        return self._harness is not None
+
+    @property
+    def module(self) -> ModuleType:
+        """The harness's module (`thread new` finds its `validate_config` there)."""
+        return importlib.import_module(self._module)
+
+    def warm(self) -> None:
+        """Import it now, on a daemon thread of its own, unless it already is."""
+        if self._harness is None:
+            threading.Thread(target=self.load, name=f"import-{self.name}", daemon=True).start()
+
+    async def run_turn(self, turn: Turn) -> TurnResult:
+        return await self.load().run_turn(turn)
+
+    async def describe_interruption(
+        self, thread_id: str, state: dict[str, Any] | None, store: AgentStore | None
+    ) -> str:
+        return await self.load().describe_interruption(thread_id, state, store)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # never the import for a private name (copy, pickle ...)
+            raise AttributeError(name)
+        return getattr(self.load(), name)
 
 
 class Replica(Heartbeat, Adoption, Examining):
@@ -119,11 +170,22 @@ class Replica(Heartbeat, Adoption, Examining):
             ),
             asyncio.create_task(self._suspect_loop(), name="sweep"),
             asyncio.create_task(self._kick_loop(), name="kicks"),
+            asyncio.create_task(self._warm(), name="warm"),
         ]
         try:
             await stop.wait()
         finally:
             await self.shutdown()
+
+    async def _warm(self) -> None:
+        """Import the harnesses left for their first use (`OnFirstUse`) on threads of their
+        own, once the first looks for threads to adopt have had their turn: two adoption
+        intervals after the start."""
+        await asyncio.sleep(2 * self.settings.adopt_interval)
+        for harness in self.harnesses.values():
+            warm = getattr(harness, "warm", None)  # through the metrics wrapper too
+            if callable(warm):
+                warm()
 
     async def shutdown(self) -> None:
         """Park every held wait, let turns settle (bounded), release every lease. Never cancels

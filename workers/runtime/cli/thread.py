@@ -21,7 +21,7 @@ from broker import BadItem, Broker, Settings, ThreadNotFound, Timing, parse_dura
 from broker.cli import CliError, Command, global_args
 from broker.sessions import Session
 from workers.agents.policy import validate as validate_policy
-from workers.runtime.replica import default_harnesses
+from workers.runtime.replica import OnFirstUse, default_harnesses
 
 #: The agent harnesses `thread new --harness` takes (claude_code needs the `claude` extra).
 HARNESSES = ("scripted", "claude_code", "codex")
@@ -188,7 +188,10 @@ async def _thread_new(b: Broker, args: argparse.Namespace) -> None:
     if harness is None:
         have = ", ".join(sorted(default_harnesses()))
         raise CliError(f"--harness: {args.harness} is not installed here (have: {have})")
-    validate = getattr(sys.modules[type(harness).__module__], "validate_config", None)
+    module = (
+        harness.module if isinstance(harness, OnFirstUse) else sys.modules[type(harness).__module__]
+    )
+    validate = getattr(module, "validate_config", None)
     if validate is not None:
         validate(config)
     try:
