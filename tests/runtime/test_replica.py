@@ -237,3 +237,23 @@ async def test_a_new_thread_is_indexed_only_once_its_record_exists(settings: Set
     finally:
         await person.aclose()
         await rival.aclose()
+
+
+def test_a_harness_left_for_first_use_that_does_not_import_is_logged_not_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`warm` of a harness whose module does not import logs `harness.import_failed` (no
+    traceback, the replica runs on); using it raises the import's error to that turn."""
+    import threading
+
+    from workers.runtime.replica import OnFirstUse
+
+    broken = OnFirstUse("broken", "workers.no_such_harness_module", "Harness")
+    broken.warm()
+    for t in threading.enumerate():
+        if t.name == "import-broken":
+            t.join(10)
+    assert [r.getMessage() for r in caplog.records] == ["harness.import_failed"]
+    assert not broken.loaded
+    with pytest.raises(ModuleNotFoundError):
+        broken.load()

@@ -106,7 +106,15 @@ class OnFirstUse:
     def warm(self) -> None:
         """Import it now, on a daemon thread of its own, unless it already is."""
         if self._harness is None:
-            threading.Thread(target=self.load, name=f"import-{self.name}", daemon=True).start()
+            threading.Thread(
+                target=self._load_logged, name=f"import-{self.name}", daemon=True
+            ).start()
+
+    def _load_logged(self) -> None:
+        try:
+            self.load()
+        except Exception as e:  # a broken install: its turns fail saying so, the replica runs on
+            logger.error("harness.import_failed", extra={"harness": self.name, "error": repr(e)})
 
     async def run_turn(self, turn: Turn) -> TurnResult:
         return await self.load().run_turn(turn)

@@ -188,9 +188,14 @@ async def _thread_new(b: Broker, args: argparse.Namespace) -> None:
     if harness is None:
         have = ", ".join(sorted(default_harnesses()))
         raise CliError(f"--harness: {args.harness} is not installed here (have: {have})")
-    module = (
-        harness.module if isinstance(harness, OnFirstUse) else sys.modules[type(harness).__module__]
-    )
+    try:
+        module = (
+            harness.module
+            if isinstance(harness, OnFirstUse)
+            else sys.modules[type(harness).__module__]
+        )
+    except ImportError as e:  # installed, but it does not import
+        raise CliError(f"--harness: {args.harness} cannot be loaded here: {e}") from None
     validate = getattr(module, "validate_config", None)
     if validate is not None:
         validate(config)
