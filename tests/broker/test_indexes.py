@@ -249,20 +249,26 @@ async def test_the_sweep_moves_members_a_former_rule_left_in_another_bucket(
 async def test_the_sweep_moves_members_of_a_former_bucket_count(
     make_broker: BrokerFactory,
 ) -> None:
-    """Members written under one bucket (`<prefix>:open`) or under 4 buckets are moved, with
-    their scores, into their buckets once the count is 2 and the sweep has run."""
-    one = await make_broker()
-    p = await one.ask("m1", "approval", [APPROVAL])
-    await asyncio.sleep(0.002)
-    await one.sessions.create("m2", "scripted", "approval", {})
+    """Members written under one bucket (`<prefix>:open`; the auto count on a cluster) or
+    under 4 buckets are moved, with their scores, into their buckets once the count is 2 and
+    the sweep has run."""
+    one = await make_broker()  # one bucket on a server, the auto count (16) on a cluster
     four = await make_broker(index_buckets=4)
     two = await make_broker(index_buckets=2)
-    # A thread whose open bucket of 4 is not its bucket of 2 (which depends on the prefix).
-    m3 = next(
-        t
-        for t in (f"m3-{i}" for i in range(100))
-        if four.indexes.open.key(t) != two.indexes.open.key(t)
-    )
+
+    def moving(stem: str, former: Broker) -> str:
+        """A thread whose open bucket under `former`'s count is not its bucket of 2 (where
+        a thread falls depends on the prefix)."""
+        return next(
+            t
+            for t in (f"{stem}-{i}" for i in range(100))
+            if former.indexes.open.key(t) != two.indexes.open.key(t)
+        )
+
+    m1, m3 = moving("m1", one), moving("m3", four)
+    p = await one.ask(m1, "approval", [APPROVAL])
+    await asyncio.sleep(0.002)
+    await one.sessions.create("m2", "scripted", "approval", {})
     q = await four.ask(m3, "approval", [APPROVAL])
     await four.indexes.due.add(four.redis, {f"{m3}/{q.prompt_id}": 7})
     moved = await audit.rebuild_indexes(two)
@@ -270,7 +276,7 @@ async def test_the_sweep_moves_members_of_a_former_bucket_count(
     await Timekeeper(two).scan()
     assert moved["moved"] == 2  # m1 from the one key, m3 from its bucket of 4
     opened = await _keys_of(two, two.indexes.open)
-    assert sorted(_flat(opened)) == sorted([f"m1/{p.prompt_id}", f"{m3}/{q.prompt_id}"])
+    assert sorted(_flat(opened)) == sorted([f"{m1}/{p.prompt_id}", f"{m3}/{q.prompt_id}"])
     assert sorted(await two.indexes.leases.members(two.redis)) == ["m2"]
     for index in (two.indexes.open, two.indexes.leases, two.indexes.due):
         for key, members in (await _keys_of(two, index)).items():
