@@ -217,3 +217,18 @@ async def kill_pubsub(client: Any) -> int:
         command = ("CLIENT", "KILL", "TYPE", "pubsub")
         killed += int(await client.execute_command(*command, target_nodes=node))
     return killed
+
+
+async def run_audit_worker(broker: Any, pool: Any) -> None:
+    """The arq audit worker on `pool` (an ArqRedis), in burst until its queue is empty, its
+    jobs posting through `broker` (the test's, not one it would make)."""
+    from workers.runtime import audit
+
+    kwargs = audit.worker_settings(broker.settings) | {"handle_signals": False}
+    del kwargs["redis_settings"], kwargs["on_startup"], kwargs["on_shutdown"]
+    worker = audit.AuditWorker(**kwargs, redis_pool=pool, burst=True)
+    worker.ctx["broker"] = broker
+    try:
+        await asyncio.wait_for(worker.async_run(), 30)
+    finally:
+        await worker.close()

@@ -15,7 +15,15 @@ from redis.exceptions import WatchError
 
 from broker import Broker, PromptCancelled, Settings
 from tests.conftest import BrokerFactory, ClientFactory, delete_prefix
-from tests.helpers import drop_indexes, index_add, index_count, index_members, text, until
+from tests.helpers import (
+    drop_indexes,
+    index_add,
+    index_count,
+    index_members,
+    run_audit_worker,
+    text,
+    until,
+)
 from workers.runtime import audit
 
 APPROVAL = {"question": "Run `rm -rf build`?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
@@ -39,8 +47,6 @@ def run_worker(make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch) -> R
     monkeypatch.setattr(arq.worker, "log_redis_info", _no_info)
 
     async def run(broker: Broker) -> None:
-        kwargs = audit.worker_settings(broker.settings) | {"handle_signals": False}
-        del kwargs["redis_settings"], kwargs["on_startup"], kwargs["on_shutdown"]
         client: Any = make_client(decode_responses=False)
         if isinstance(client, RedisCluster):  # arq works on the primary owning the queue's slot
             await client.initialize()
@@ -48,12 +54,7 @@ def run_worker(make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch) -> R
             pool = ArqRedis(host=node.host, port=node.port)
         else:
             pool = ArqRedis(connection_pool=client.connection_pool)
-        worker = audit.AuditWorker(**kwargs, redis_pool=pool, burst=True)
-        worker.ctx["broker"] = broker  # the job uses this test's broker
-        try:
-            await asyncio.wait_for(worker.async_run(), 30)
-        finally:
-            await worker.close()
+        await run_audit_worker(broker, pool)
 
     return run
 
@@ -213,15 +214,9 @@ async def test_serve_rides_out_a_watch_error(
 
 async def _run_worker_on(broker: Broker, queue: ArqRedis) -> None:
     """The audit worker as `prompt-broker audit` runs it with a queue URL: arq on that Redis."""
-    kwargs = audit.worker_settings(broker.settings) | {"handle_signals": False}
-    assert kwargs["redis_settings"].port == queue.connection_pool.connection_kwargs["port"]
-    del kwargs["redis_settings"], kwargs["on_startup"], kwargs["on_shutdown"]
-    worker = audit.AuditWorker(**kwargs, redis_pool=queue, burst=True)
-    worker.ctx["broker"] = broker
-    try:
-        await asyncio.wait_for(worker.async_run(), 30)
-    finally:
-        await worker.close()
+    settings = audit.worker_settings(broker.settings)["redis_settings"]
+    assert settings.port == queue.connection_pool.connection_kwargs["port"]
+    await run_audit_worker(broker, queue)
 
 
 async def test_with_a_queue_url_the_audit_jobs_live_on_that_redis(

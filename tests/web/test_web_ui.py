@@ -23,7 +23,7 @@ import pytest
 
 from broker import Broker
 from tests.conftest import ClientFactory
-from tests.helpers import of_type, outputs, until
+from tests.helpers import of_type, outputs, run_audit_worker, until
 from tests.runtime.test_replica import Fleet, script, start_thread, tool
 from web.app import create_app
 from web.settings import ApiSettings, Identity
@@ -264,17 +264,8 @@ async def _run_audit(b: Broker, make_client: ClientFactory) -> None:
     """The arq audit worker, until its queue is empty (it posts the resolution items)."""
     from arq.connections import ArqRedis
 
-    from workers.runtime import audit
-
-    kwargs = audit.worker_settings(b.settings) | {"handle_signals": False}
-    del kwargs["redis_settings"], kwargs["on_startup"], kwargs["on_shutdown"]
     pool = ArqRedis(connection_pool=make_client(decode_responses=False).connection_pool)
-    worker = audit.AuditWorker(**kwargs, redis_pool=pool, burst=True)
-    worker.ctx["broker"] = b
-    try:
-        await asyncio.wait_for(worker.async_run(), 30)
-    finally:
-        await worker.close()
+    await run_audit_worker(b, pool)
 
 
 async def test_a_prompt_answered_from_the_cli_retires_within_a_second(
