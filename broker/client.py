@@ -106,8 +106,8 @@ _PACKING: dict[type[AbstractConnection], type[AbstractConnection]] = {}
 
 
 def _fast_packing(client: Redis) -> Redis:
-    """`client`, its pool's connections packing with hiredis (none are made yet: call it on a
-    client the Broker makes for itself)."""
+    """`client`, its pool's connections packing with hiredis: those it makes from now on (call
+    it on a client the Broker makes for itself, or one handed over to it)."""
     pool = client.connection_pool
     cls = pool.connection_class
     if _hiredis_pack is not None and not issubclass(cls, _HiredisPacking):
@@ -162,6 +162,12 @@ class Broker(Routing, Delivery, Timings):
         self._derived: list[Redis] = []
         redis = self._decoding(redis)
         pubsub = None if pubsub is None else self._decoding(pubsub)
+        if owns_client:
+            # Handed over (a replica's bounded pools, say): their connections made from now on
+            # pack with hiredis and check for stray replies cheaply too, as the Broker's own.
+            for handed in (redis, pubsub):
+                if handed is not None and not isinstance(handed, RedisCluster):
+                    _fast_packing(handed)
         self.settings = settings or Settings()
         self.redis = redis
         cluster = isinstance(redis, RedisCluster)  # the client decides, not the setting

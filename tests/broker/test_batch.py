@@ -355,6 +355,28 @@ def test_hiredis_packing_writes_the_bytes_redis_py_writes() -> None:
         assert b"".join(fast.pack_command(*args)) == b"".join(plain.pack_command(*args)), args
 
 
+async def test_a_replicas_handed_over_pools_pack_with_hiredis_too() -> None:
+    """A replica's Broker is given its bounded pools (`replica_broker`), owning them: their
+    connections pack with hiredis as the Broker's own do (they used to pack in Python: most of
+    an adopting replica's CPU); a pool the Broker does not own is left as it was."""
+    from redis.asyncio.connection import Connection
+
+    from broker.client import _HiredisPacking
+    from workers.runtime.run import replica_broker
+
+    b = replica_broker(Settings(redis_url="redis://127.0.0.1:1/0"))
+    try:
+        assert b._pubsub_client is not None
+        for client in (b.redis, b._pubsub_client):
+            assert issubclass(client.connection_pool.connection_class, _HiredisPacking)
+    finally:
+        await b.aclose()
+    lent = Redis(decode_responses=True)
+    Broker(lent, Settings())
+    assert lent.connection_pool.connection_class is Connection
+    await lent.aclose()
+
+
 def test_any_error_among_a_pipelines_replies_is_raised() -> None:
     """A reply error and a connection error given as a reply (a cluster pipeline gives a failed
     node's error so, for each of its commands) are both raised, never handed over as a reply."""
