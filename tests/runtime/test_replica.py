@@ -239,6 +239,65 @@ async def test_a_new_thread_is_indexed_only_once_its_record_exists(settings: Set
         await rival.aclose()
 
 
+async def test_a_replica_warms_its_deferred_harnesses_only_after_its_first_adoption_pass(
+    fleet: Fleet, person: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The harness import (`OnFirstUse.warm`) starts once the first adoption pass has ended:
+    here three full pages, each claim made slow, far past the old fixed two adoption
+    intervals; by then every thread is held."""
+    from workers.runtime import adoption
+
+    monkeypatch.setattr(adoption, "ADOPT_PAGE", 10)
+    for i in range(30):
+        await person.sessions.create(f"w{i:02d}", "scripted", "approval", ASK)
+    held_at_warm: list[int] = []
+
+    class Deferred:
+        name = "deferred"
+
+        def warm(self) -> None:
+            held_at_warm.append(len(r.replica.threads))
+
+    r = await fleet.start("r1", {"scripted": Recorder("r1", fleet.turns), "deferred": Deferred()})
+    claim_many = r.broker.sessions.claim_many
+
+    async def slow_claim(*args: Any, **kwargs: Any) -> dict[str, int]:
+        await asyncio.sleep(0.2)  # 4 x the adoption interval, per page
+        return await claim_many(*args, **kwargs)
+
+    r.broker.sessions.claim_many = slow_claim  # type: ignore[method-assign]
+    await until(lambda: asyncio.sleep(0, held_at_warm or None), "the warm")
+    assert held_at_warm == [30]
+
+
+def test_a_harness_warmed_on_its_thread_logs_how_long_its_import_took(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`warm` imports on a thread of its own and logs `harness.loaded` there, with the seconds
+    it took (an operator sees what a replica's first turn no longer waits for); a later `load`
+    returns that harness and logs nothing more."""
+    import logging
+    import threading
+
+    from workers.agents.scripted import ScriptedHarness
+    from workers.runtime.replica import OnFirstUse
+
+    caplog.set_level(logging.INFO, logger="workers")
+    scripted = OnFirstUse("scripted", "workers.agents.scripted", "ScriptedHarness")
+    scripted.warm()
+    for t in threading.enumerate():
+        if t.name == "import-scripted":
+            t.join(10)
+    loaded = [r for r in caplog.records if r.getMessage() == "harness.loaded"]
+    assert len(loaded) == 1
+    assert loaded[0].__dict__["harness"] == "scripted"
+    assert loaded[0].__dict__["on"] == "import-scripted"
+    assert 0 <= loaded[0].__dict__["seconds"] < 10
+    assert scripted.loaded
+    assert isinstance(scripted.load(), ScriptedHarness)
+    assert len([r for r in caplog.records if r.getMessage() == "harness.loaded"]) == 1
+
+
 def test_a_harness_left_for_first_use_that_does_not_import_is_logged_not_raised(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

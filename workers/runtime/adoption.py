@@ -35,6 +35,7 @@ class Adoption(Sweeping):
         finally:
             if attaching:
                 await asyncio.gather(*attaching, return_exceptions=True)
+            self._adopted.set()
 
     async def _adopt_page(self, limit: int, attaching: list[asyncio.Task[None]]) -> bool:
         """One look at the threads without a live holder; True if it claimed a full page."""

@@ -70,6 +70,7 @@ class Holder:
     incarnation: str
     _suspects: set[str]
     _suspect_event: asyncio.Event
+    _adopted: asyncio.Event  # set once the first adoption pass has ended
     policy_rules: tuple[policy.Rule, ...]
 
     def kick(self, thread_id: str) -> None:

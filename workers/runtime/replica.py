@@ -43,6 +43,7 @@ import os
 import random
 import socket
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from types import ModuleType
@@ -80,7 +81,7 @@ class OnFirstUse:
     Importing the Claude Agent SDK (and the MCP client under it) took about 0.9 s of 1.6 s
     to import a replica's modules here, and a replica that starts after a crash has its
     record to write and threads to adopt first. `warm` imports it on a thread of its own: the
-    replica starts that once its first looks for threads to adopt are done (`Replica._warm`).
+    replica starts that once its first adoption pass has ended (`Replica._warm`).
     A turn that needs it sooner imports it then (waiting for the thread's import, if any)."""
 
     def __init__(self, name: str, module: str, cls: str) -> None:
@@ -91,7 +92,16 @@ class OnFirstUse:
     def load(self) -> Harness:
         with self._lock:
             if self._harness is None:
+                started = time.perf_counter()
                 self._harness = getattr(importlib.import_module(self._module), self._cls)()
+                logger.info(
+                    "harness.loaded",
+                    extra={
+                        "harness": self.name,
+                        "seconds": round(time.perf_counter() - started, 3),
+                        "on": threading.current_thread().name,
+                    },
+                )
             return self._harness
 
     @property
@@ -158,6 +168,7 @@ class Replica(Heartbeat, Adoption, Examining):
         self.incarnation = ""  # set by `join`: a new one for every start
         self._suspects: set[str] = set()
         self._suspect_event = asyncio.Event()
+        self._adopted = asyncio.Event()
         # The worker's own policy rules: a malformed one stops the replica before it starts.
         self.policy_rules = policy.parse_rules(
             self.settings.policy_rules, "PROMPT_BROKER_POLICY_RULES", "worker"
@@ -187,9 +198,10 @@ class Replica(Heartbeat, Adoption, Examining):
 
     async def _warm(self) -> None:
         """Import the harnesses left for their first use (`OnFirstUse`) on threads of their
-        own, once the first looks for threads to adopt have had their turn: two adoption
-        intervals after the start."""
-        await asyncio.sleep(2 * self.settings.adopt_interval)
+        own, once the first adoption pass has ended (its pages claimed back to back, each
+        page's threads subscribed and looked at): an import holds the interpreter for most of
+        a second, which a replica adopting a dead one's threads should not share."""
+        await self._adopted.wait()
         for harness in self.harnesses.values():
             warm = getattr(harness, "warm", None)  # through the metrics wrapper too
             if callable(warm):
