@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import math
 import os
 import platform
@@ -142,6 +143,10 @@ class ReplicaProcess:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    async def warmed(self) -> bool:
+        """It has logged the end of its deferred harness import (`harness.loaded`)."""
+        return '"event":"harness.loaded"' in self.log.read_text(errors="replace")
 
     def kill(self) -> None:
         os.kill(self.pid, signal.SIGKILL)
@@ -630,6 +635,10 @@ async def idle_floor(
     try:
         await replicas_up(r, Keys(settings.key_prefix), [proc])
         await asyncio.sleep(max(2.0, 2 * settings.adopt_interval, settings.lease_ttl / 3 * 1.3))
+        if importlib.util.find_spec("claude_agent_sdk") is not None:
+            # Its start-up ends with the SDK's import, deferred to a thread of its own
+            # (`OnFirstUse`): an idle replica is one that has done it.
+            await until("the replica's deferred harness import", proc.warmed, 60, [proc])
         fp = await footprint(r, proc, port, before)
         return fp, await busy(r, proc.pid, window)
     finally:
