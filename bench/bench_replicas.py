@@ -434,9 +434,9 @@ async def adoption_floor(url: str, b: Broker, names: list[str], batch: int) -> t
     the replica does: per page a look at the replica records and at the candidates, then the
     claims (Sessions.claim_many with the dead holder seen: its index entry, one claim.lua each,
     the index writes; as a replica "floor" whose record is made to run out at the end, so the
-    threads stay adoptable), then per thread HMGET session and LLEN inbox, HGET prompt state,
-    update.lua (status running: unchanged), and SUBSCRIBE to its wake channel on one pub/sub
-    connection.
+    threads stay adoptable), then SUBSCRIBE to each one's wake channel on one pub/sub
+    connection and one look.lua each (which parks it). Untimed at the end: every status set
+    back to running, for the replica to park.
     The replica does this and its own bookkeeping."""
     sub = _client(url, "bench-floor")
     pubsub = sub.pubsub()
@@ -454,23 +454,15 @@ async def adoption_floor(url: str, b: Broker, names: list[str], batch: int) -> t
             chunk = list(epochs)
             wanted -= set(chunk)
             done += len(chunk)
-            pipe = b.redis.pipeline(transaction=False)
-            for t in chunk:
-                pipe.hmget(b.thread(t).session, ["owner", "inc", "epoch", "status", "wait"])
-                pipe.llen(b.thread(t).inbox)
-            rows = await pipe.execute()
-            pipe = b.redis.pipeline(transaction=False)
-            for t, row in zip(chunk, rows[::2], strict=True):
-                pid = row[4].split('"prompt_id":"')[1].split('"')[0]
-                pipe.hget(b.thread(t).prompt(pid), "state")
-            await pipe.execute()
-            pipe = b.redis.pipeline(transaction=False)
-            for t in chunk:
-                b._scripts.queue(
-                    pipe, "update", [b.thread(t).session], [epochs[t], "status", "running"]
-                )
-            await b._scripts.run_pipeline(b.redis, pipe)
             await pubsub.subscribe(*(b.thread(t).wake for t in chunk))
+            pipe = b.redis.pipeline(transaction=False)
+            for t in chunk:
+                keys = b.thread(t)
+                # As "floor": each parks the session the dead replica left running.
+                args = ["floor", floor, epochs[t], keys.base]
+                b._scripts.queue(pipe, "look", [keys.session, keys.inbox], args)
+            if set(await b._scripts.run_pipeline(b.redis, pipe)) != {"parked"}:
+                raise RuntimeError("the floor's looks did not park every session")
         # "floor" dies now (its record's deadline long past): the threads are adoptable again
         await b.redis.hset(b.keys.replica_records, "floor", f"{floor}|1")  # type: ignore[misc]
         confirmed = 0
@@ -479,7 +471,15 @@ async def adoption_floor(url: str, b: Broker, names: list[str], batch: int) -> t
             if msg is None:
                 raise RuntimeError("the floor's SUBSCRIBE confirmations stopped coming")
             confirmed += msg["type"] == "subscribe"
-        return time.perf_counter() - t0, time.process_time() - cpu0
+        took = time.perf_counter() - t0, time.process_time() - cpu0
+        # Untimed: each session running again, as the dead replica left it (the replica has
+        # them to park too).
+        for start in range(0, len(names), 1000):
+            pipe = b.redis.pipeline(transaction=False)
+            for t in names[start : start + 1000]:
+                pipe.hset(b.thread(t).session, "status", "running")
+            await pipe.execute()
+        return took
     finally:
         await pubsub.aclose()  # type: ignore[no-untyped-call]
         await sub.aclose()

@@ -45,6 +45,7 @@ NAMES = (
     "claim",
     "release",
     "update",
+    "look",
     "resume",
     "grant",
     "beat",

@@ -313,3 +313,46 @@ async def test_sweep_finds_work_whose_bell_was_missed(fleet: Fleet, person: Brok
     held.listener("wake", {"resubscribed": True})  # what the waiter says once back
     items = await turn_ends(person, "t1", n=2)
     assert outputs(items) == ["hello", "hello"]
+
+
+async def test_the_look_script_says_which_held_threads_need_a_look_and_parks_dead_waits(
+    person: Broker,
+) -> None:
+    """look.lua, one per thread in a replica's batched look: `look` for a thread lost (holder,
+    incarnation or epoch), with messages queued, a turn that died, or its prompt resolved;
+    `parked` for a held wait left running (the session parked, in that step); else `quiet`.
+    A thread it does not hold is left as it is."""
+    b = person
+
+    async def held(thread_id: str, status: str) -> int:
+        await b.sessions.create(thread_id, "scripted", "approval", ASK)
+        epoch = (await b.sessions.claim_many([thread_id], "r1", "i1"))[thread_id]
+        await b.sessions.update(thread_id, epoch, status=status)
+        return epoch
+
+    async def look(thread_id: str, epoch: int, replica: str = "r1", inc: str = "i1") -> str:
+        keys = b.thread(thread_id)
+        args = [replica, inc, epoch, keys.base]
+        return str(await b._scripts.call(b.redis, "look", [keys.session, keys.inbox], args))
+
+    # A held wait whose holder died: parked here, then quiet.
+    epoch = await held("w", "running")
+    await b.ask("w", "approval", [Question(question="Go?")], epoch=epoch, agent_state={"n": 1})
+    for replica, inc, at in (("r2", "i1", epoch), ("r1", "i2", epoch), ("r1", "i1", epoch + 1)):
+        assert await look("w", at, replica, inc) == "look"
+        assert (await session(b, "w")).status == "running"  # not its to park
+    assert await look("w", epoch) == "parked"
+    assert (await session(b, "w")).status == "parked"
+    assert await look("w", epoch) == "quiet"
+    # Its prompt answered: a look (the resume turn).
+    await b.post_item("w", text("yes"))
+    assert await look("w", epoch) == "look"
+    # Idle with nothing queued: quiet; a message queued: a look.
+    epoch = await held("i", "idle")
+    assert await look("i", epoch) == "quiet"
+    await b.post_item("i", text("next"))
+    assert await look("i", epoch) == "look"
+    # A turn that died (running or parked, no wait): a look.
+    for status in ("running", "parked"):
+        epoch = await held(f"d-{status}", status)
+        assert await look(f"d-{status}", epoch) == "look"

@@ -1,15 +1,14 @@
 """A replica's batched looks at the threads it holds: for work a missed bell would have announced.
 
 A resubscription, a fresh adoption, or a look that failed on a Redis error has threads looked at
-in a batch (`suspect`, the `sweep` loop): their records are read in pipelines, only the threads
-with something to do are kicked, and a dead holder's held wait is adopted as parked right there.
+in a batch (`suspect`, the `sweep` loop): one look.lua each, in pipelines, reads their records;
+only the threads with something to do are kicked, and a dead holder's held wait is adopted as
+parked right there, in the same step.
 """
 
 from __future__ import annotations
 
 import asyncio
-
-import orjson
 
 from workers.runtime.holding import Holder, _Thread, logger
 
@@ -44,49 +43,19 @@ class Sweeping(Holder):
                 self.kick(thread_id)
 
     async def _needing_a_look(self, threads: list[_Thread]) -> list[str]:
-        """Of these idle threads, those with something to do, from their records read in
-        pipelines. A dead holder's held wait (status running, its prompt pending, no turn here)
-        is adopted as parked right here, in one pipeline, rather than by a look each."""
-        redis = self.broker.redis
-        pipe = redis.pipeline(transaction=False)
+        """Of these idle threads, those with something to do: one look.lua each, in one
+        pipeline. A dead holder's held wait (status running, its prompt pending, no turn here)
+        is adopted as parked right there, in the same step, rather than by a look each."""
+        b = self.broker
+        pipe = b.redis.pipeline(transaction=False)
         for t in threads:
-            keys = self.broker.thread(t.thread_id)
-            pipe.hmget(keys.session, ["owner", "inc", "epoch", "status", "wait"])
-            pipe.llen(keys.inbox)
-        rows = await pipe.execute()
-        look: list[str] = []
-        waiting: list[tuple[_Thread, str, str]] = []
-        for t, (owner, inc, epoch, status, wait), queued in zip(
-            threads, rows[::2], rows[1::2], strict=True
-        ):
-            lost = owner != self.id or inc != self.incarnation or epoch != str(t.epoch)
-            if lost or queued or (not wait and status in ("running", "parked")):
-                look.append(t.thread_id)  # lost, messages waiting, a turn that died: look
-            elif wait:
-                waiting.append((t, orjson.loads(wait)["prompt_id"], status))
-        if not waiting:
-            return look
-        pipe = redis.pipeline(transaction=False)
-        for t, prompt_id, _ in waiting:
-            pipe.hget(self.broker.thread(t.thread_id).prompt(prompt_id), "state")
-        states = await pipe.execute()
-        park: list[_Thread] = []
-        for (t, _, status), state in zip(waiting, states, strict=True):
-            if state != "pending":
-                look.append(t.thread_id)  # answered, cancelled or gone: act on it
-            elif status != "parked":
-                park.append(t)
-        return look + await self._park(park)
-
-    async def _park(self, threads: list[_Thread]) -> list[str]:
-        """Mark these sessions parked, in one pipeline; those refused (fenced) need a look."""
-        if not threads:
-            return []
-        redis = self.broker.redis
-        pipe = redis.pipeline(transaction=False)
-        for t in threads:
-            session = self.broker.thread(t.thread_id).session
-            self.broker._scripts.queue(pipe, "update", [session], [t.epoch, "status", "parked"])
-        replies = await self.broker._scripts.run_pipeline(redis, pipe)
-        # fenced: another holder has it now; the look finds it lost and drops it
-        return [t.thread_id for t, r in zip(threads, replies, strict=True) if r[0] != "ok"]
+            keys = b.thread(t.thread_id)
+            b._scripts.queue(
+                pipe,
+                "look",
+                [keys.session, keys.inbox],
+                [self.id, self.incarnation, t.epoch, keys.base],
+            )
+        replies = await b._scripts.run_pipeline(b.redis, pipe)
+        # look: lost, messages waiting, a turn that died, its prompt resolved: act on it
+        return [t.thread_id for t, reply in zip(threads, replies, strict=True) if reply == "look"]
