@@ -24,6 +24,9 @@ from broker.keys import Keys, ThreadKeys
 
 __all__ = ["Candidates", "Fleet", "LeaseCore", "Leases", "Record"]
 
+#: Claim replies after which a thread leaves the to-claim index.
+_SETTLED = frozenset({"claimed", "closed", "missing"})
+
 
 class Record(NamedTuple):
     """A replica's record: its current incarnation and the deadline it proved itself alive to."""
@@ -258,9 +261,12 @@ class Leases:
             pipe.srem(mine, *not_mine)
         for key, members in freed.items():
             pipe.srem(key, *members)
-        # Out of the to-claim index: claimed, held by a live replica (in its index), closed or
-        # gone. A 'moved' one stays: its new holder may be a dead one, read again next look.
-        done = [t for t, reply in zip(threads, replies, strict=True) if reply[0] != "moved"]
+        # Out of the to-claim index: claimed, closed or gone. A 'moved' one stays: its new
+        # holder may be a dead one, read again next look. A 'held' one stays too: a holder
+        # stopping cleanly indexes its threads here and then releases them, and an entry taken
+        # out in between would leave a released thread in no index at all. (Held, it is in its
+        # holder's set as well; the entry goes once a claim takes it.)
+        done = [t for t, reply in zip(threads, replies, strict=True) if reply[0] in _SETTLED]
         self._b.indexes.leases.queue_remove(pipe, done)
         await pipe.execute()
         return claimed

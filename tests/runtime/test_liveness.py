@@ -90,6 +90,35 @@ async def test_claim_refuses_a_holder_other_than_the_one_read(broker: Broker) ->
     assert (await claim("rc", "y", "rb", "x", "", 0))[:2] == ["claimed", "3"]
 
 
+async def test_a_claim_that_finds_a_releasing_holder_alive_leaves_the_thread_findable(
+    broker: Broker,
+) -> None:
+    """A clean stop puts its threads in the to-claim index, then releases each (release_all).
+    An adopter that looks in between finds the holder alive ('held'): it must leave the entry,
+    or the thread, released a moment later, is in no index at all and nobody adopts it (a
+    rolling restart in CI left one so)."""
+    await broker.sessions.create("t1", "scripted", "approval", {})
+    ra, _, _ = await broker.sessions.join("ra", TTL)
+    rb, _, _ = await broker.sessions.join("rb", TTL)
+    epoch = await broker.sessions.claim("t1", "ra", ra)
+    assert epoch is not None
+    leases = broker.indexes.leases
+    await leases.add(broker.redis, {"t1": 0})  # release_all's first step, for "ra"
+    seen = await broker.sessions.candidates(await broker.sessions.look())
+    assert "t1" in seen.expired
+    assert await broker.sessions.claim_many(["t1"], "rb", rb, seen.dead) == {}  # ra: alive
+    # release_all's second step, then its end: the holds set deleted, the record gone
+    session = broker.thread("t1").session
+    released = await broker._scripts.call(broker.redis, "release", [session], ["ra", epoch])
+    assert released == ["released"]
+    await broker.redis.delete(broker.keys.holds("ra", ra))
+    await broker.sessions.leave("ra", ra)
+    seen = await broker.sessions.candidates(await broker.sessions.look())
+    assert "t1" in seen.expired
+    assert await broker.sessions.claim_many(["t1"], "rb", rb, seen.dead) == {"t1": epoch + 2}
+    assert "t1" not in await leases.members(broker.redis)  # claimed: out of the index
+
+
 async def test_an_expired_record_is_never_extended(broker: Broker) -> None:
     """Once its deadline passed, a beat finds the incarnation dead and writes nothing: what an
     adopter saw expired stays so. Only a new incarnation (join) is alive again."""
