@@ -166,10 +166,11 @@ async def test_racing_timekeepers_take_every_step_once(make_broker: Any) -> None
         ids.append((await b.ask(f"r{i}", "ask_user_question", [Q])).prompt_id)
         await b.set_timing(
             f"r{i}",
-            # 200 ms between steps: a look every 20 ms by each of three timekeepers must fall
+            # 400 ms between steps: a look every 20 ms by each of three timekeepers must fall
             # between any two of them, or the steps come due together and are taken as one
-            # (step.lua). At 100 ms apart a slow host once missed one (a reminder counted once).
-            Timing(remind=(0.4, 0.8), escalate=0.6, escalate_to="leads", deadline=1.2),
+            # (step.lua). At 100 ms, then at 200 ms apart, a slow host running the whole suite
+            # missed one on the cluster (a reminder counted once).
+            Timing(remind=(0.8, 1.6), escalate=1.2, escalate_to="leads", deadline=2.4),
             prompt_id=ids[-1],
         )
     waits = [asyncio.create_task(b.wait(f"r{i}", p, timeout=10)) for i, p in enumerate(ids)]
