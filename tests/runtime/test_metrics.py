@@ -106,6 +106,38 @@ async def test_fleet_metrics_follow_prompts_and_resolutions(broker: Broker, scra
     )
 
 
+async def test_a_released_threads_adoption_wait_is_not_timed_from_the_epoch(
+    make_broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A clean stop indexes its threads with score 0 (taken first, at no known time): their
+    adoption is logged with the thread counted but no wait, where a new thread's wait is its
+    time since creation (seconds, not the epoch's 1.8e9)."""
+    caplog.set_level(logging.INFO, logger="workers")
+    b = await make_broker(lease_ttl=1.0, adopt_interval=0.05, sweep_interval=0.5)
+    await b.sessions.create("fresh", "scripted", "approval", {})
+    await b.sessions.create("given", "scripted", "approval", {})
+    inc, _, _ = await b.sessions.join("gone", 60_000)
+    epoch = await b.sessions.claim("given", "gone", inc)
+    assert epoch is not None
+    assert await b.sessions.release_all("gone", inc, {"given": epoch}) == 1
+    replica = Replica(b, None, "m1")
+    stop = asyncio.Event()
+    task = asyncio.create_task(replica.run(stop))
+    try:
+
+        async def both() -> bool:
+            return {"fresh", "given"} <= set(replica.threads)
+
+        await until(both, "both threads adopted", 15)
+    finally:
+        stop.set()
+        await task
+    records = [r for r in caplog.records if r.getMessage() == "replica.adopted"]
+    assert sum(r.__dict__["threads"] for r in records) == 2
+    waits = [w for r in records for w in r.__dict__["waited_s"]]
+    assert len(waits) == 1 and 0 <= waits[0] < 60
+
+
 async def test_turns_and_adoptions_counted(make_broker: Any, scrape: Any) -> None:
     """A replica's harnesses count their turns by harness and outcome; its adoptions count
     from the log event it writes."""

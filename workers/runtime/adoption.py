@@ -60,9 +60,15 @@ class Adoption(Sweeping):
             self.threads[thread_id] = _Thread(thread_id, epoch, listener=self._kicker(thread_id))
         attaching.append(asyncio.create_task(self._attach(claimed)))
         if claimed:
-            # How long each waited with no live holder (server time): its holder's death, its
-            # release or its creation, to this claim. Counted by the metrics (an histogram).
-            waited = [max(0, seen.now - seen.expired.get(t, seen.now)) / 1000 for t in claimed]
+            # How long each waited with no live holder (server time): its holder's death or its
+            # creation, to this claim. Counted by the metrics (an histogram). A thread released
+            # by a clean stop, or freed by a restart, is indexed with no time (score 0: taken
+            # first): it is not timed, rather than timed from 1970.
+            waited = [
+                max(0, seen.now - since) / 1000
+                for t in claimed
+                if (since := seen.expired.get(t, seen.now)) > 0
+            ]
             logger.info(
                 "replica.adopted",
                 extra={"replica": self.id, "threads": len(claimed), "waited_s": waited},
