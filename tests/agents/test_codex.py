@@ -1346,8 +1346,12 @@ async def two_replicas(
     server: RedisServer, key_prefix: str, logs: Path
 ) -> AsyncIterator[tuple[Fleet, Broker]]:
     """Two real replica processes (`prompt-broker worker`, the default harnesses, lease TTL
-    2 s) on `server`, and a person's broker; their logs are printed when the test fails."""
-    settings = Settings(redis_url=server.url, key_prefix=key_prefix, **(FAST | {"lease_ttl": 2.0}))
+    3 s) on `server`, and a person's broker; their logs are printed when the test fails.
+
+    3 s, not 2: under the whole suite one run saw the adopting replica's own record expire
+    (no beat got through for 2 s while it resumed the Codex turn), and it dropped the thread
+    before the approved command ran."""
+    settings = Settings(redis_url=server.url, key_prefix=key_prefix, **(FAST | {"lease_ttl": 3.0}))
     fleet = Fleet(settings, workers=2, restart=False, log_dir=logs)
     person = Broker(Redis.from_url(server.url, decode_responses=True), settings)
     try:
