@@ -25,7 +25,7 @@ from broker import (
     ThreadNotFound,
 )
 from tests.conftest import BrokerFactory
-from tests.helpers import index_score, of_type, text, until
+from tests.helpers import index_score, of_type, text, truthy, until
 from workers.agents.harness import (
     AgentStore,
     Resume,
@@ -266,7 +266,7 @@ async def test_a_replica_warms_its_deferred_harnesses_only_after_its_first_adopt
         return await claim_many(*args, **kwargs)
 
     r.broker.sessions.claim_many = slow_claim  # type: ignore[method-assign]
-    await until(lambda: asyncio.sleep(0, held_at_warm or None), "the warm")
+    await until(lambda: truthy(bool(held_at_warm)), "the warm")
     assert held_at_warm == [30]
 
 
