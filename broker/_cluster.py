@@ -20,11 +20,12 @@ from typing import Any, cast
 
 import redis.cluster
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
+from redis.asyncio.connection import SSLConnection
 from redis.exceptions import RedisClusterException
 
 from broker._scripts import slot_map_error
 
-__all__ = ["OutageCluster", "cluster_client", "seeds", "sync_cluster_client"]
+__all__ = ["OutageCluster", "cluster_client", "connection_options", "seeds", "sync_cluster_client"]
 
 
 def seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
@@ -44,6 +45,27 @@ def seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
             raise ValueError(f"{node!r} is not a cluster node (host:port)")
         others.append((host.strip("[]"), int(port)))
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{auth}{at}{first}")), others
+
+
+#: What a client made beside a user's cluster client keeps of its connection settings.
+_KEPT = (
+    "username", "password", "credential_provider", "client_name", "socket_timeout",
+    "socket_connect_timeout", "socket_keepalive", "socket_keepalive_options",
+    "health_check_interval", "retry", "protocol", "encoding", "encoding_errors",
+)  # fmt: skip
+
+
+def connection_options(kwargs: dict[str, Any], connection_class: Any = None) -> dict[str, Any]:
+    """What a client made beside a cluster client keeps of its connection settings (the
+    client's `connection_kwargs`; or a node's, with the node's `connection_class`, which a
+    node keeps apart): credentials, timeouts and, on a TLS cluster, `ssl=True` with every
+    `ssl_*` option (its CA, certificate, key, hostname check). Keyword arguments for redis-py's
+    `Redis` or `RedisCluster`; what decodes replies is left to the caller."""
+    kept = {k: kwargs[k] for k in _KEPT if k in kwargs}
+    connection_class = connection_class or kwargs.get("connection_class")
+    if isinstance(connection_class, type) and issubclass(connection_class, SSLConnection):
+        kept |= {"ssl": True} | {k: v for k, v in kwargs.items() if k.startswith("ssl_")}
+    return kept
 
 
 def _as_outage(e: RedisClusterException) -> Exception:

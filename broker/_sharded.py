@@ -26,6 +26,8 @@ from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 
+from broker._cluster import connection_options
+
 __all__ = ["ShardedBells", "ShardedPubSub"]
 
 
@@ -55,8 +57,9 @@ class ShardedBells:
                 if first is None:
                     await self._cluster.initialize()
                     first = self._cluster.get_nodes()[0]
-                auth = {k: first.connection_kwargs.get(k) for k in ("username", "password")}
-                self._map = RedisCluster(host=first.host, port=first.port, **auth)
+                # The cluster's credentials, timeouts and TLS (connection_options).
+                options = connection_options(first.connection_kwargs, first.connection_class)
+                self._map = RedisCluster(host=first.host, port=first.port, **options)
             if self.stale:
                 await self._map.nodes_manager.initialize()
                 self.stale = False
@@ -141,7 +144,7 @@ class ShardedPubSub:
         conn = self._conns.get(node.name)
         if conn is None:
             kwargs = {**node.connection_kwargs, "host": node.host, "port": node.port}
-            conn = Connection(**kwargs)
+            conn = node.connection_class(**kwargs)  # an SSLConnection on a TLS cluster
             await conn.connect()  # type: ignore[no-untyped-call]
             self._conns[node.name] = conn
             self._readers.append(asyncio.ensure_future(self._read(conn)))

@@ -20,13 +20,13 @@ from typing import Any, Self, cast
 import orjson
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.connection import AbstractConnection, SSLConnection
+from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import RedisError
 
 from broker import _codec, events
 from broker._base import _new_id, _reaching, now_ms
 from broker._batch import Coalescer
-from broker._cluster import OutageCluster, cluster_client
+from broker._cluster import OutageCluster, cluster_client, connection_options
 from broker._scripts import Scripts
 from broker._sharded import ShardedBells
 from broker._waiter import Waiter, nothing_received
@@ -117,20 +117,9 @@ def _fast_packing(client: Redis) -> Redis:
     return client
 
 
-#: What a decoding twin of a user's cluster client keeps of its connection settings.
-_CLUSTER_KEPT = (
-    "username", "password", "credential_provider", "client_name", "socket_timeout",
-    "socket_connect_timeout", "socket_keepalive", "socket_keepalive_options",
-    "health_check_interval", "retry", "protocol", "encoding", "encoding_errors",
-)  # fmt: skip
-
-
 def _decoding_cluster(client: RedisCluster) -> RedisCluster:
     """A cluster client like `client` (its nodes, credentials, TLS and timeouts) that decodes."""
-    kwargs = client.connection_kwargs
-    extra = {k: kwargs[k] for k in _CLUSTER_KEPT if k in kwargs}
-    if kwargs.get("connection_class") is SSLConnection:
-        extra |= {"ssl": True} | {k: v for k, v in kwargs.items() if k.startswith("ssl_")}
+    extra = connection_options(client.connection_kwargs)
     nodes = [ClusterNode(n.host, n.port) for n in client.nodes_manager.startup_nodes.values()]
     twin: RedisCluster = OutageCluster(startup_nodes=nodes, decode_responses=True, **extra)
     return twin

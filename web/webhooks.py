@@ -49,6 +49,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from broker import events
+from broker._cluster import connection_options
 from broker.events import EventName
 from broker.keys import Keys
 from web import metrics
@@ -126,8 +127,7 @@ async def _arq_on_cluster(nodes: RedisCluster, queue: str, *, refresh: bool) -> 
         known = [
             ClusterNode(n.host, n.port) for n in list(nodes.nodes_manager.startup_nodes.values())
         ]
-        auth = {k: v for k, v in nodes.connection_kwargs.items() if k in ("username", "password")}
-        lookup = RedisCluster(startup_nodes=known, **auth)
+        lookup = RedisCluster(startup_nodes=known, **connection_options(nodes.connection_kwargs))
         try:
             await lookup.initialize()
             node = lookup.get_node_from_key(queue)
@@ -135,8 +135,9 @@ async def _arq_on_cluster(nodes: RedisCluster, queue: str, *, refresh: bool) -> 
             await lookup.aclose()
     if node is None:  # the slot has no primary right now (a failover under way)
         raise RedisClusterException(f"no primary owns the slot of {queue!r}")
-    user, password = (node.connection_kwargs.get(k) for k in ("username", "password"))
-    return ArqRedis(host=node.host, port=node.port, username=user, password=password)
+    # The node's credentials, timeouts and TLS; arq reads bytes (no decode_responses).
+    options = connection_options(node.connection_kwargs, node.connection_class)
+    return ArqRedis(host=node.host, port=node.port, **options)
 
 
 class Dispatcher:
