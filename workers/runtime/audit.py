@@ -31,6 +31,7 @@ from arq import cron, func
 from arq.connections import RedisSettings
 from arq.worker import Worker
 from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.connection import SSLConnection, parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -41,7 +42,9 @@ from ulid import ULID
 from broker import Broker, Keys, Settings
 from broker._cluster import sync_cluster_client
 from broker.client import AUDIT_JOB
+from broker.errors import BadItem
 from broker.indexes import Index
+from broker.settings import ENV_PREFIX
 
 logger = logging.getLogger("workers.runtime.audit")
 
@@ -205,13 +208,56 @@ async def _prompt_batches(broker: Broker) -> Any:
         yield batch
 
 
-def _redis_settings(url: str, *, cluster: bool = False) -> RedisSettings:
-    """arq's Redis settings, riding out a Redis restart: every command and every connect is
-    retried on a connection error, backing off to 1 s, for about 40 s in all. On a cluster for
-    about 4 s: a primary that stops answering is more likely gone for good (its replica takes
-    over), and the worker started again then looks the queue's primary up anew."""
+#: The TLS options of a URL (redis-py's names) that arq's connections take; arq's RedisSettings
+#: has no field for the others.
+_ARQ_TLS = (
+    "ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_data",
+    "ssl_check_hostname",
+)  # fmt: skip
+
+
+def arq_settings(url: str, setting: str) -> RedisSettings:
+    """arq's connection settings for `url`, read as redis-py reads it for the Broker: host,
+    port or socket path, database, credentials, connect timeout and TLS with its query options
+    (`rediss://host:6380/0?ssl_ca_certs=/etc/ca.pem`). arq's own `from_dsn` keeps only the
+    scheme of those, so a server whose certificate a private CA signed refused the worker
+    that the Broker reached. A TLS option arq cannot carry raises `BadItem` naming `setting`
+    (the variable the URL came from), before anything connects."""
+    try:
+        options: dict[str, Any] = dict(parse_url(url))  # any query option, by redis-py's name
+    except ValueError as e:
+        raise BadItem(setting, str(e)) from None
+    connection_class = options.pop("connection_class", None)
+    refused = sorted(k for k in options if k.startswith("ssl_") and k not in _ARQ_TLS)
+    if refused:
+        raise BadItem(
+            setting,
+            f"the TLS option {refused[0]!r} cannot be given to the audit worker's arq connection "
+            f"(it takes {', '.join(_ARQ_TLS)})",
+        )
+    tls = {k: options[k] for k in _ARQ_TLS if k in options}
+    if "socket_connect_timeout" in options:
+        tls["conn_timeout"] = max(1, round(options["socket_connect_timeout"]))
+    return RedisSettings(
+        host=options.get("host") or "localhost",
+        port=options.get("port") or 6379,
+        unix_socket_path=options.get("path"),
+        database=options.get("db") or 0,
+        username=options.get("username"),
+        password=options.get("password"),
+        ssl=connection_class is SSLConnection,
+        **tls,
+    )
+
+
+def _redis_settings(url: str, setting: str, *, cluster: bool = False) -> RedisSettings:
+    """arq's Redis settings (`arq_settings`), riding out a Redis restart: every command and
+    every connect is retried on a connection error, backing off to 1 s, for about 40 s in all.
+    On a cluster for about 4 s: a primary that stops answering is more likely gone for good
+    (its replica takes over), and the worker started again then looks the queue's primary up
+    anew."""
     return dataclasses.replace(
-        RedisSettings.from_dsn(url),
+        arq_settings(url, setting),
         retry_on_error=[RedisConnectionError, RedisTimeoutError, OSError],
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=8 if cluster else 45),
     )
@@ -270,6 +316,7 @@ def worker_settings(settings: Settings | None = None) -> dict[str, Any]:
         "queue_name": keys.audit_queue,
         "redis_settings": _redis_settings(
             _queue_url(settings, keys.audit_queue),
+            ENV_PREFIX + ("QUEUE_URL" if settings.queue_url else "REDIS_URL"),
             cluster=settings.redis_cluster and not settings.queue_url,
         ),
         "job_timeout": settings.audit_job_timeout,
