@@ -1,0 +1,202 @@
+"""Redis over TLS, with a certificate signed by a private CA that the URL names
+(`rediss://host:port/0?ssl_ca_certs=/path/ca.crt`): the Broker reached such a server, but the
+audit worker's arq connection (arq's `from_dsn` keeps only the scheme of a URL's TLS options)
+and, on a cluster, the webhooks' arq connection (only the username and password carried) did
+not. Real `redis-server` processes of the tests' own, on free loopback ports, with certificates
+made here by `openssl`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+from broker import Broker, Question, Settings
+from broker.errors import BadItem
+from tests.conftest import RedisClusterNodes, _cluster_port
+from workers.runtime import audit
+from workers.runtime.redis_server import RedisServer, free_port
+
+pytestmark = pytest.mark.real_redis
+
+
+@dataclass
+class Certificates:
+    ca: Path
+    cert: Path
+    key: Path
+
+    def server_args(self, tls_port: int) -> list[str]:
+        return [
+            "--tls-port", str(tls_port), "--tls-cert-file", str(self.cert),
+            "--tls-key-file", str(self.key), "--tls-ca-cert-file", str(self.ca),
+            "--tls-auth-clients", "no",
+        ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
+    """A CA of the test's own, and a certificate it signed for 127.0.0.1."""
+    missing = [t for t in ("openssl", "redis-server", "redis-cli") if shutil.which(t) is None]
+    if missing:
+        why = f"{', '.join(missing)} needed for the TLS tests"
+        if os.environ.get("PB_REQUIRE_REAL_REDIS"):  # CI: a missing tool fails, never skips
+            pytest.fail(f"{why} (PB_REQUIRE_REAL_REDIS)")
+        pytest.skip(why)
+    d = tmp_path_factory.mktemp("tls")
+    ca, ca_key, cert, key = d / "ca.crt", d / "ca.key", d / "server.crt", d / "server.key"
+    ext = d / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+
+    def run(*args: str | Path) -> None:
+        subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=pb-test-ca",
+        "-keyout", ca_key, "-out", ca)  # fmt: skip
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", key,
+        "-out", d / "server.csr")  # fmt: skip
+    run("x509", "-req", "-in", d / "server.csr", "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+        "-days", "2", "-extfile", ext, "-out", cert)  # fmt: skip
+    return Certificates(ca, cert, key)
+
+
+@pytest.fixture
+def tls_url(certificates: Certificates, tmp_path: Path) -> Iterator[str]:
+    """A redis-server answering TLS on one port (and plain on another, only to see it is up)."""
+    tls_port = free_port()
+    server = RedisServer(free_port(), tmp_path, appendonly=False)
+    server.start(*certificates.server_args(tls_port))
+    try:
+        yield f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={certificates.ca}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def tls_cluster_url(certificates: Certificates, tmp_path: Path) -> Iterator[str]:
+    """Three primaries answering TLS only to clients and to each other (`tls-cluster`), joined
+    with `redis-cli --tls --cluster create`; each has a plain port too, to see it is up."""
+    tls_ports = [_cluster_port() for _ in range(3)]  # its bus: 10,000 higher (tls-cluster)
+    nodes = [RedisServer(free_port(), tmp_path / f"node-{i}", appendonly=False) for i in range(3)]
+    cluster = RedisClusterNodes(nodes)
+    try:
+        for node, tls_port in zip(nodes, tls_ports, strict=True):
+            node.dir.mkdir()
+            node.start(
+                *certificates.server_args(tls_port), "--tls-cluster", "yes",
+                "--cluster-enabled", "yes", "--cluster-config-file", str(node.dir / "nodes.conf"),
+                "--cluster-node-timeout", "2000",
+            )  # fmt: skip
+        subprocess.run(
+            ["redis-cli", "--tls", "--cacert", str(certificates.ca), "--cluster", "create",
+             *(f"127.0.0.1:{p}" for p in tls_ports), "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while any(redis.Redis(port=n.port).cluster("info")["cluster_state"] != "ok" for n in nodes):
+            assert time.monotonic() < deadline, "the TLS cluster did not reach cluster_state:ok"
+            time.sleep(0.1)
+        yield f"rediss://127.0.0.1:{tls_ports[0]}?ssl_ca_certs={certificates.ca}"
+    finally:
+        cluster.stop()
+
+
+async def _answered_and_audited(settings: Settings, threads: list[str]) -> None:
+    """Ask on each thread, answer, wait; then the audit worker (as `prompt-broker audit` makes
+    it, from `settings` alone) posts each thread's `pending_prompt_resolved` item."""
+    async with Broker.from_url(settings=settings) as b:
+        prompts = [await b.ask(t, "text", [Question(question="Name?")]) for t in threads]
+        for t, p in zip(threads, prompts, strict=True):
+            waiting = asyncio.create_task(b.wait(t, p.prompt_id, timeout=10))
+            await asyncio.sleep(0.05)
+            await b.post_item(t, {"content": [{"type": "text", "text": "Ann"}]})
+            assert [a.answer for a in await waiting] == [["Ann"]]
+        await b.settle()
+        kwargs = audit.worker_settings(settings) | {"handle_signals": False, "burst": True}
+        # Fail fast rather than retry for 40 s when the connection cannot be made at all.
+        kwargs["redis_settings"].conn_retries = 0
+        worker = audit.AuditWorker(**kwargs)
+        try:
+            await asyncio.wait_for(worker.async_run(), 60)
+        finally:
+            await worker.close()
+        for t, p in zip(threads, prompts, strict=True):
+            assert (await b.get_prompt(t, p.prompt_id)).audit_item_id
+            assert (await b.items(t))[-1].type == "pending_prompt_resolved"
+
+
+async def test_the_audit_worker_reaches_a_tls_server_whose_ca_the_url_names(
+    tls_url: str,
+) -> None:
+    """Before: arq's `from_dsn` dropped `ssl_ca_certs`, and the worker's connection failed with
+    CERTIFICATE_VERIFY_FAILED while the Broker's own worked."""
+    settings = Settings(redis_url=tls_url, key_prefix="tls" + uuid.uuid4().hex[:8])
+    await _answered_and_audited(settings, ["t1", "t2"])
+
+
+async def test_the_audit_worker_and_the_webhooks_reach_a_tls_cluster(
+    tls_cluster_url: str,
+) -> None:
+    """On a TLS cluster the audit worker works on the primary of its queue's slot, and the
+    webhooks' arq connection is made to that primary with the cluster client's TLS (before:
+    with its username and password only, and the TLS server reset the connection); after a
+    failure of it (`refresh`) the slot map is asked again over TLS too."""
+    from web.webhooks import _arq_pool
+
+    settings = Settings(
+        redis_url=tls_cluster_url, redis_cluster=True, key_prefix="tls" + uuid.uuid4().hex[:8]
+    )
+    await _answered_and_audited(settings, [f"c{i}" for i in range(4)])
+    async with Broker.from_url(settings=settings) as b:
+        queue = b.keys.audit_queue
+        await b.redis.initialize()  # type: ignore[attr-defined]
+        primary = b.redis.get_node_from_key(queue)  # type: ignore[attr-defined]
+        for refresh in (False, True):
+            arq = await _arq_pool(b.redis, queue, refresh=refresh)
+            try:
+                assert await arq.ping()
+                kwargs = arq.connection_pool.connection_kwargs
+                assert (kwargs["host"], kwargs["port"]) == (primary.host, primary.port)
+                assert kwargs["ssl_ca_certs"] == tls_cluster_url.partition("ssl_ca_certs=")[2]
+            finally:
+                await arq.aclose()
+
+
+def test_arq_settings_read_a_url_as_redis_py_does() -> None:
+    s = audit.arq_settings(
+        "rediss://ann:secret@cache.internal:6380/3?ssl_ca_certs=/etc/ca.pem"
+        "&ssl_cert_reqs=none&ssl_check_hostname=true&socket_connect_timeout=4",
+        "PROMPT_BROKER_REDIS_URL",
+    )
+    assert (s.host, s.port, s.database, s.username, s.password) == (
+        "cache.internal", 6380, 3, "ann", "secret"
+    )  # fmt: skip
+    assert (s.ssl, s.ssl_ca_certs, s.ssl_cert_reqs, s.ssl_check_hostname) == (
+        True, "/etc/ca.pem", "none", True
+    )  # fmt: skip
+    assert s.conn_timeout == 4
+    plain = audit.arq_settings("redis://127.0.0.1:6379/2", "PROMPT_BROKER_REDIS_URL")
+    assert (plain.ssl, plain.database, plain.unix_socket_path) == (False, 2, None)
+    unix = audit.arq_settings("unix:///run/redis.sock?db=5", "PROMPT_BROKER_REDIS_URL")
+    assert (unix.unix_socket_path, unix.database, unix.ssl) == ("/run/redis.sock", 5, False)
+
+
+def test_a_tls_option_arq_cannot_carry_is_refused_naming_its_setting() -> None:
+    """Rather than a worker that connects without it (and fails, or checks less than asked)."""
+    settings = Settings(
+        redis_url="redis://127.0.0.1:6379/0",
+        queue_url="rediss://127.0.0.1:6380/0?ssl_ciphers=ECDHE-RSA-AES256-GCM-SHA384",
+    )
+    with pytest.raises(BadItem) as e:
+        audit.worker_settings(settings)
+    assert e.value.field == "PROMPT_BROKER_QUEUE_URL"
+    assert "'ssl_ciphers' cannot be given" in str(e.value)
