@@ -241,3 +241,54 @@ async def test_cancelled_as_the_turn_fails_leaves_no_unretrieved_error() -> None
         assert not [c for c in reported if "never retrieved" in str(c.get("message"))], reported
     finally:
         loop.set_exception_handler(None)
+
+
+async def test_a_late_heartbeat_and_an_expired_record_are_logged_and_counted(
+    make_broker: Any, scrape: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A beat that ends past half a lease TTL after the last one that got through began is
+    logged (`replica.beat_late`, with the gap and the write's own time) and counted; one on time
+    is neither. A beat that finds the record run out logs `replica.expired` with the gap too, and
+    is counted."""
+    b = await make_broker(lease_ttl=1.0)
+    replica = Replica(b, None, "hb1")
+    metrics.count_logs()
+    late = await scrape("prompt_broker_heartbeats_late_total")
+    expired = await scrape("prompt_broker_replica_expirations_total")
+    with caplog.at_level(logging.WARNING, logger="workers.runtime.replica"):
+        await replica._join()
+        await replica._heartbeat()  # on time: just after the join
+        assert [r.msg for r in caplog.records] == []
+        # As if the loop had been held up: the last beat began 0.7 s ago (TTL 1 s).
+        assert replica._last_beat is not None
+        replica._last_beat -= 0.7
+        await replica._heartbeat()
+        [record] = [r for r in caplog.records if r.msg == "replica.beat_late"]
+        assert record.gap_s >= 0.7 and record.beat_s < 0.5 and record.lease_ttl == 1.0
+        assert await scrape("prompt_broker_heartbeats_late_total") == late + 1
+        caplog.clear()
+        await replica._heartbeat()  # on time again
+        assert [r.msg for r in caplog.records] == []
+        # A beat that starts on time but whose write takes 0.6 s (a pool with no connection
+        # free, a slow Redis): late too, and its own time says why.
+        beat = b.sessions.beat
+
+        async def slow_beat(*args: Any) -> int | None:
+            await asyncio.sleep(0.6)
+            return await beat(*args)
+
+        b.sessions.beat = slow_beat  # type: ignore[method-assign]
+        await replica._heartbeat()
+        b.sessions.beat = beat  # type: ignore[method-assign]
+        [record] = [r for r in caplog.records if r.msg == "replica.beat_late"]
+        assert record.gap_s >= 0.6 and record.beat_s >= 0.6
+        assert await scrape("prompt_broker_heartbeats_late_total") == late + 2
+        caplog.clear()
+        # Its record runs out (a pause past the TTL): the next beat finds it dead.
+        raw = await b.redis.hget(b.keys.replica_records, "hb1")  # type: ignore[misc]
+        await b.redis.hset(b.keys.replica_records, "hb1", f"{raw.partition('|')[0]}|1")  # type: ignore[misc]
+        await replica._heartbeat()
+        [record] = [r for r in caplog.records if r.msg == "replica.expired"]
+        assert record.gap_s is not None and record.gap_s < 0.7 and record.lease_ttl == 1.0
+        assert await scrape("prompt_broker_replica_expirations_total") == expired + 1
+        assert await scrape("prompt_broker_heartbeats_late_total") == late + 2

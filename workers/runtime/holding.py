@@ -68,6 +68,7 @@ class Holder:
     _tasks: list[asyncio.Task[None]]
     ttl_ms: int
     incarnation: str
+    _last_beat: float | None  # time.monotonic() when the last write that proved it alive began
     _suspects: set[str]
     _suspect_event: asyncio.Event
     _adopted: asyncio.Event  # set once the first adoption pass has ended

@@ -165,6 +165,17 @@ LOST_THREADS = Counter(
     "Threads this replica found claimed by another (it was paused or cut off past its lease).",
     registry=REGISTRY,
 )
+BEATS_LATE = Counter(
+    "prompt_broker_heartbeats_late",
+    "Heartbeats that ended more than half a lease TTL after the last one that got through "
+    "began (the record came close to running out; the log's replica.beat_late says why).",
+    registry=REGISTRY,
+)
+EXPIRATIONS = Counter(
+    "prompt_broker_replica_expirations",
+    "Times this replica found its own record run out: it dropped every thread and joined again.",
+    registry=REGISTRY,
+)
 DEMOTED = Counter(
     "prompt_broker_waits_demoted",
     "Held waits demoted to parked (past held_waits_max).",
@@ -185,6 +196,8 @@ AUDIT_RECONNECTS = Counter(
 _LOGGED: dict[str, tuple[Counter, str | None]] = {
     "replica.adopted": (ADOPTIONS, "threads"),
     "replica.lost_thread": (LOST_THREADS, None),
+    "replica.beat_late": (BEATS_LATE, None),
+    "replica.expired": (EXPIRATIONS, None),
     "wait.demoted": (DEMOTED, None),
     "waiter.disconnected": (RESUBSCRIBES, None),
     "audit.disconnected": (AUDIT_RECONNECTS, None),

@@ -166,6 +166,7 @@ class Replica(Heartbeat, Adoption, Examining):
         self._tasks: list[asyncio.Task[None]] = []
         self.ttl_ms = int(self.settings.lease_ttl * 1000)
         self.incarnation = ""  # set by `join`: a new one for every start
+        self._last_beat: float | None = None
         self._suspects: set[str] = set()
         self._suspect_event = asyncio.Event()
         self._adopted = asyncio.Event()
