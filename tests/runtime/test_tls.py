@@ -1,9 +1,10 @@
 """Redis over TLS, with a certificate signed by a private CA that the URL names
 (`rediss://host:port/0?ssl_ca_certs=/path/ca.crt`): the Broker reached such a server, but the
 audit worker's arq connection (arq's `from_dsn` keeps only the scheme of a URL's TLS options)
-and, on a cluster, the webhooks' arq connection (only the username and password carried) did
-not. Real `redis-server` processes of the tests' own, on free loopback ports, with certificates
-made here by `openssl`."""
+and, on a cluster, the sharded bells' and the webhooks' arq connections (only the username and
+password carried) did not. Real `redis-server` processes of the tests' own, on free loopback
+ports, with mutual TLS (the clients show a certificate too) and certificates made here by
+`openssl`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from broker import Broker, Question, Settings
 from broker.errors import BadItem
@@ -34,18 +37,28 @@ class Certificates:
     ca: Path
     cert: Path
     key: Path
+    client_cert: Path
+    client_key: Path
 
     def server_args(self, tls_port: int) -> list[str]:
+        """A TLS port whose clients must show a certificate the CA signed (mutual TLS)."""
         return [
             "--tls-port", str(tls_port), "--tls-cert-file", str(self.cert),
             "--tls-key-file", str(self.key), "--tls-ca-cert-file", str(self.ca),
-            "--tls-auth-clients", "no",
+            "--tls-auth-clients", "yes",
         ]  # fmt: skip
+
+    @property
+    def query(self) -> str:
+        """The URL's TLS options: the CA to check the server by, and the client's own pair."""
+        return (
+            f"ssl_ca_certs={self.ca}&ssl_certfile={self.client_cert}&ssl_keyfile={self.client_key}"
+        )
 
 
 @pytest.fixture(scope="module")
 def certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
-    """A CA of the test's own, and a certificate it signed for 127.0.0.1."""
+    """A CA of the test's own, a server certificate it signed for 127.0.0.1, and a client's."""
     missing = [t for t in ("openssl", "redis-server", "redis-cli") if shutil.which(t) is None]
     if missing:
         why = f"{', '.join(missing)} needed for the TLS tests"
@@ -66,7 +79,12 @@ def certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
         "-out", d / "server.csr")  # fmt: skip
     run("x509", "-req", "-in", d / "server.csr", "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
         "-days", "2", "-extfile", ext, "-out", cert)  # fmt: skip
-    return Certificates(ca, cert, key)
+    client_cert, client_key = d / "client.crt", d / "client.key"
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=prompt-broker", "-keyout",
+        client_key, "-out", d / "client.csr")  # fmt: skip
+    run("x509", "-req", "-in", d / "client.csr", "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+        "-days", "2", "-out", client_cert)  # fmt: skip
+    return Certificates(ca, cert, key, client_cert, client_key)
 
 
 @pytest.fixture
@@ -76,7 +94,7 @@ def tls_url(certificates: Certificates, tmp_path: Path) -> Iterator[str]:
     server = RedisServer(free_port(), tmp_path, appendonly=False)
     server.start(*certificates.server_args(tls_port))
     try:
-        yield f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={certificates.ca}"
+        yield f"rediss://127.0.0.1:{tls_port}/0?{certificates.query}"
     finally:
         server.stop()
 
@@ -97,7 +115,9 @@ def tls_cluster_url(certificates: Certificates, tmp_path: Path) -> Iterator[str]
                 "--cluster-node-timeout", "2000",
             )  # fmt: skip
         subprocess.run(
-            ["redis-cli", "--tls", "--cacert", str(certificates.ca), "--cluster", "create",
+            ["redis-cli", "--tls", "--cacert", str(certificates.ca),
+             "--cert", str(certificates.client_cert), "--key", str(certificates.client_key),
+             "--cluster", "create",
              *(f"127.0.0.1:{p}" for p in tls_ports), "--cluster-yes"],
             check=True, capture_output=True, timeout=60,
         )  # fmt: skip
@@ -105,7 +125,7 @@ def tls_cluster_url(certificates: Certificates, tmp_path: Path) -> Iterator[str]
         while any(redis.Redis(port=n.port).cluster("info")["cluster_state"] != "ok" for n in nodes):
             assert time.monotonic() < deadline, "the TLS cluster did not reach cluster_state:ok"
             time.sleep(0.1)
-        yield f"rediss://127.0.0.1:{tls_ports[0]}?ssl_ca_certs={certificates.ca}"
+        yield f"rediss://127.0.0.1:{tls_ports[0]}?{certificates.query}"
     finally:
         cluster.stop()
 
@@ -137,8 +157,13 @@ async def _answered_and_audited(settings: Settings, threads: list[str]) -> None:
 async def test_the_audit_worker_reaches_a_tls_server_whose_ca_the_url_names(
     tls_url: str,
 ) -> None:
-    """Before: arq's `from_dsn` dropped `ssl_ca_certs`, and the worker's connection failed with
-    CERTIFICATE_VERIFY_FAILED while the Broker's own worked."""
+    """Before: arq's `from_dsn` dropped `ssl_ca_certs` (and the client's certificate), and the
+    worker's connection failed with CERTIFICATE_VERIFY_FAILED while the Broker's own worked.
+    The server asks for a client certificate: a client with the CA alone is turned away."""
+    only_the_ca = Redis.from_url(tls_url.partition("&")[0])
+    with pytest.raises(RedisConnectionError):
+        await only_the_ca.ping()
+    await only_the_ca.aclose()
     settings = Settings(redis_url=tls_url, key_prefix="tls" + uuid.uuid4().hex[:8])
     await _answered_and_audited(settings, ["t1", "t2"])
 
@@ -166,7 +191,8 @@ async def test_the_audit_worker_and_the_webhooks_reach_a_tls_cluster(
                 assert await arq.ping()
                 kwargs = arq.connection_pool.connection_kwargs
                 assert (kwargs["host"], kwargs["port"]) == (primary.host, primary.port)
-                assert kwargs["ssl_ca_certs"] == tls_cluster_url.partition("ssl_ca_certs=")[2]
+                assert f"ssl_ca_certs={kwargs['ssl_ca_certs']}&" in tls_cluster_url
+                assert f"ssl_keyfile={kwargs['ssl_keyfile']}" in tls_cluster_url
             finally:
                 await arq.aclose()
 
