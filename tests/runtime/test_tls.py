@@ -26,7 +26,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from broker import Broker, Question, Settings
 from broker.errors import BadItem
 from tests.conftest import RedisClusterNodes, _cluster_port
+from tests.helpers import text, until
 from workers.runtime import audit
+from workers.runtime.fleet import Fleet
 from workers.runtime.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.real_redis
@@ -166,6 +168,42 @@ async def test_the_audit_worker_reaches_a_tls_server_whose_ca_the_url_names(
     await only_the_ca.aclose()
     settings = Settings(redis_url=tls_url, key_prefix="tls" + uuid.uuid4().hex[:8])
     await _answered_and_audited(settings, ["t1", "t2"])
+
+
+async def test_a_fleet_runs_on_a_tls_server(tls_url: str, tmp_path: Path) -> None:
+    """`prompt-broker worker` and `prompt-broker audit` as real processes, given the TLS URL
+    alone: the replica's bounded pools and its pub/sub connection, and the audit worker's arq
+    connection, all reach the server. The scripted agent asks, a person answers "2", the turn
+    ends with it and the answer is audited."""
+    settings = Settings(
+        redis_url=tls_url, key_prefix="tls" + uuid.uuid4().hex[:8], adopt_interval=0.1
+    )
+    fleet = Fleet(settings, workers=1, restart=False, log_dir=tmp_path / "logs")
+    async with Broker.from_url(settings=settings) as person:
+        try:
+            await fleet.start()
+            await fleet.ready()
+            await person.sessions.create("t1", "scripted", "approval", {})
+            await person.post_item("t1", text("hello"))
+            prompt = await until(lambda: person.active_prompt("t1"), "the agent's question", 30)
+            routed = await person.post_item("t1", text("2"))
+            assert routed.outcome == "answered" and routed.prompt_id == prompt.prompt_id
+
+            async def audited() -> bool:
+                items = await person.items("t1")
+                return any(i.type == "pending_prompt_resolved" for i in items) and any(
+                    i.type == "turn_end" for i in items
+                )
+
+            await until(audited, "the turn's end and the audit item", 30)
+            answered = await person.get_prompt("t1", prompt.prompt_id)
+            assert answered.state == "answered" and answered.audit_item_id
+        except BaseException:
+            for log in sorted((tmp_path / "logs").glob("*.log")):
+                print(f"===== {log.name}\n{log.read_text(errors='replace')[-3000:]}")
+            raise
+        finally:
+            await fleet.stop()
 
 
 async def test_the_audit_worker_and_the_webhooks_reach_a_tls_cluster(
