@@ -40,21 +40,17 @@ class Heartbeat(Holder):
         started = time.monotonic()
         alive = await self.broker.sessions.beat(self.id, self.incarnation, self.ttl_ms)
         ended = time.monotonic()
-        took, last, gap = ended - started, self._last_beat, None
-        if last is not None:
-            gap = round(ended - last, 3)  # the longest the record can have gone unwritten
+        last = self._last_beat
+        gap = None if last is None else round(ended - last, 3)  # the longest it went unwritten
+        timing = {
+            "gap_s": gap,
+            "beat_s": round(ended - started, 3),
+            "lease_ttl": self.ttl_ms / 1000,
+        }
         if alive is not None:
             self._last_beat = started
             if gap is not None and gap > self.ttl_ms / 2000:
-                logger.warning(
-                    "replica.beat_late",
-                    extra={
-                        "replica": self.id,
-                        "gap_s": gap,
-                        "beat_s": round(took, 3),
-                        "lease_ttl": self.ttl_ms / 1000,
-                    },
-                )
+                logger.warning("replica.beat_late", extra={"replica": self.id, **timing})
             return
         logger.warning(
             "replica.expired",
@@ -62,9 +58,7 @@ class Heartbeat(Holder):
                 "replica": self.id,
                 "incarnation": self.incarnation,
                 "threads": len(self.threads),
-                "gap_s": gap,
-                "beat_s": round(took, 3),
-                "lease_ttl": self.ttl_ms / 1000,
+                **timing,
             },
         )
         for thread_id in list(self.threads):
