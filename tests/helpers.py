@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from redis.asyncio.cluster import RedisCluster
 
-from broker import Item
+from broker import Broker, Item, Question, Settings
 
 T = TypeVar("T")
 
@@ -232,3 +232,44 @@ async def run_audit_worker(broker: Any, pool: Any) -> None:
         await asyncio.wait_for(worker.async_run(), 30)
     finally:
         await worker.close()
+
+
+async def answered_and_audited(settings: Settings, threads: list[str]) -> None:
+    """Ask on each thread, answer "Ann", wait for it; then the audit worker (as `prompt-broker
+    audit` makes it, from `settings` alone, in burst) posts each thread's
+    `pending_prompt_resolved` item."""
+    from workers.runtime import audit
+
+    async with Broker.from_url(settings=settings) as b:
+        prompts = [await b.ask(t, "text", [Question(question="Name?")]) for t in threads]
+        for t, p in zip(threads, prompts, strict=True):
+            waiting = asyncio.create_task(b.wait(t, p.prompt_id, timeout=10))
+            await asyncio.sleep(0.05)
+            await b.post_item(t, {"content": [{"type": "text", "text": "Ann"}]})
+            assert [a.answer for a in await waiting] == [["Ann"]]
+        await b.settle()
+        kwargs = audit.worker_settings(settings) | {"handle_signals": False, "burst": True}
+        # Fail fast rather than retry for 40 s when the connection cannot be made at all.
+        kwargs["redis_settings"].conn_retries = 0
+        worker = audit.AuditWorker(**kwargs)
+        try:
+            await asyncio.wait_for(worker.async_run(), 60)
+        finally:
+            await worker.close()
+        for t, p in zip(threads, prompts, strict=True):
+            assert (await b.get_prompt(t, p.prompt_id)).audit_item_id
+            assert (await b.items(t))[-1].type == "pending_prompt_resolved"
+
+
+async def replica_record(b: Broker, replica: str) -> str | None:
+    """A replica's liveness record as stored (`incarnation|deadline ms`), or None."""
+    raw: str | None = await b.redis.hget(b.keys.replica_records, replica)  # type: ignore[misc]
+    return raw
+
+
+async def expire(b: Broker, replica: str) -> None:
+    """As if `replica` had been paused past its deadline: its record's deadline is long past."""
+    raw = await replica_record(b, replica)
+    assert raw is not None
+    inc = raw.partition("|")[0]
+    await b.redis.hset(b.keys.replica_records, replica, f"{inc}|1")  # type: ignore[misc]

@@ -26,6 +26,7 @@ from broker.answers import matchers, prepare
 from broker.keys import Keys
 from broker.models import Question
 from tests.conftest import RedisClusterNodes, free_port
+from tests.helpers import answered_and_audited
 
 pytestmark = pytest.mark.real_redis
 
@@ -203,29 +204,10 @@ async def test_a_lifecycle_on_the_cluster(redis_cluster: RedisClusterNodes) -> N
 async def test_the_audit_worker_on_the_cluster(redis_cluster: RedisClusterNodes) -> None:
     """arq works on the one primary owning the audit queue's hash tag: the jobs enqueued for
     answers on every primary are run there, and each thread gets its audit item."""
-    from workers.runtime import audit
-
     settings = Settings(
         key_prefix="c" + uuid.uuid4().hex[:8], redis_cluster=True, redis_url=redis_cluster.url
     )
-    async with Broker.from_url(settings=settings) as b:
-        threads = [f"a{i}" for i in range(6)]
-        prompts = [await b.ask(t, "text", [Question(question="Name?")]) for t in threads]
-        for t, p in zip(threads, prompts, strict=True):
-            waiting = asyncio.create_task(b.wait(t, p.prompt_id, timeout=10))
-            await asyncio.sleep(0.05)
-            await b.post_item(t, {"content": [{"type": "text", "text": "Ann"}]})
-            await waiting
-        await b.settle()
-        kwargs = audit.worker_settings(settings) | {"handle_signals": False, "burst": True}
-        worker = audit.AuditWorker(**kwargs)
-        try:
-            await asyncio.wait_for(worker.async_run(), 60)
-        finally:
-            await worker.close()
-        for t, p in zip(threads, prompts, strict=True):
-            assert (await b.get_prompt(t, p.prompt_id)).audit_item_id
-            assert (await b.items(t))[-1].type == "pending_prompt_resolved"
+    await answered_and_audited(settings, [f"a{i}" for i in range(6)])
 
 
 async def test_many_threads_subscribed_at_once_hear_their_bells(

@@ -17,26 +17,13 @@ from redis.asyncio import Redis
 
 from broker import Broker, Fenced, Settings
 from tests.conftest import RedisServer
-from tests.helpers import drop_indexes, index_members, truthy, until
+from tests.helpers import drop_indexes, expire, index_members, replica_record, truthy, until
 from workers.agents.harness import approval_question
 from workers.agents.scripted import ScriptedHarness
 from workers.runtime.replica import Replica
 
 TTL = 60_000
 QUESTION = approval_question("Bash", {"command": "make deploy"})
-
-
-async def record(b: Broker, replica: str) -> str | None:
-    raw: str | None = await b.redis.hget(b.keys.replica_records, replica)  # type: ignore[misc]
-    return raw
-
-
-async def expire(b: Broker, replica: str) -> None:
-    """As if `replica` had been paused past its deadline: its record's deadline is long past."""
-    raw = await record(b, replica)
-    assert raw is not None
-    inc = raw.partition("|")[0]
-    await b.redis.hset(b.keys.replica_records, replica, f"{inc}|1")  # type: ignore[misc]
 
 
 # -- the records and the claim -------------------------------------------------------------------
@@ -125,9 +112,9 @@ async def test_an_expired_record_is_never_extended(broker: Broker) -> None:
     ra, _, _ = await broker.sessions.join("ra", TTL)
     assert await broker.sessions.beat("ra", ra, TTL) is not None
     await expire(broker, "ra")
-    before = await record(broker, "ra")
+    before = await replica_record(broker, "ra")
     assert await broker.sessions.beat("ra", ra, TTL) is None
-    assert await record(broker, "ra") == before
+    assert await replica_record(broker, "ra") == before
     again, _, former = await broker.sessions.join("ra", TTL)
     assert again != ra and former == ra
     assert await broker.sessions.beat("ra", ra, TTL) is None  # the old one stays dead
@@ -183,7 +170,7 @@ async def test_a_dead_incarnations_threads_are_found_and_its_record_buried(broke
     assert set(seen.expired) == {"t1", "t2"} and seen.replicas == 1
     assert await broker.sessions.claim_many(list(seen.expired), "rb", rb) == {"t1": 2, "t2": 2}
     await broker.sessions.candidates(await broker.sessions.look())
-    assert await record(broker, "ra") is None
+    assert await replica_record(broker, "ra") is None
     assert await broker.redis.zscore(broker.keys.replicas, "ra") is None
 
 
@@ -289,7 +276,7 @@ async def test_sigterm_releases_every_thread_at_once(
         await until(looked_at, "ra to park the dead holder's waits", within=30)
         stop.set()
         await asyncio.wait_for(task, 30)
-        assert await record(person, "ra") is None
+        assert await replica_record(person, "ra") is None
         for t in threads:
             s = await person.sessions.get(t)
             assert s is not None and s.owner == "" and s.status == "parked"

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker import Broker
-from tests.helpers import index_count, text, until
+from tests.helpers import expire, index_count, text, until
 from workers.runtime import metrics
 from workers.runtime.health import probe, serve_ops
 from workers.runtime.metrics import FleetSampler
@@ -285,8 +285,7 @@ async def test_a_late_heartbeat_and_an_expired_record_are_logged_and_counted(
         assert await scrape("prompt_broker_heartbeats_late_total") == late + 2
         caplog.clear()
         # Its record runs out (a pause past the TTL): the next beat finds it dead.
-        raw = await b.redis.hget(b.keys.replica_records, "hb1")  # type: ignore[misc]
-        await b.redis.hset(b.keys.replica_records, "hb1", f"{raw.partition('|')[0]}|1")  # type: ignore[misc]
+        await expire(b, "hb1")
         await replica._heartbeat()
         [record] = [r for r in caplog.records if r.msg == "replica.expired"]
         assert record.gap_s is not None and record.gap_s < 0.7 and record.lease_ttl == 1.0

@@ -8,7 +8,6 @@ ports, with mutual TLS (the clients show a certificate too) and certificates mad
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import subprocess
@@ -23,10 +22,10 @@ import redis
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from broker import Broker, Question, Settings
+from broker import Broker, Settings
 from broker.errors import BadItem
 from tests.conftest import RedisClusterNodes, _cluster_port
-from tests.helpers import text, until
+from tests.helpers import answered_and_audited, text, until
 from workers.runtime import audit
 from workers.runtime.fleet import Fleet
 from workers.runtime.redis_server import RedisServer, free_port
@@ -132,30 +131,6 @@ def tls_cluster_url(certificates: Certificates, tmp_path: Path) -> Iterator[str]
         cluster.stop()
 
 
-async def _answered_and_audited(settings: Settings, threads: list[str]) -> None:
-    """Ask on each thread, answer, wait; then the audit worker (as `prompt-broker audit` makes
-    it, from `settings` alone) posts each thread's `pending_prompt_resolved` item."""
-    async with Broker.from_url(settings=settings) as b:
-        prompts = [await b.ask(t, "text", [Question(question="Name?")]) for t in threads]
-        for t, p in zip(threads, prompts, strict=True):
-            waiting = asyncio.create_task(b.wait(t, p.prompt_id, timeout=10))
-            await asyncio.sleep(0.05)
-            await b.post_item(t, {"content": [{"type": "text", "text": "Ann"}]})
-            assert [a.answer for a in await waiting] == [["Ann"]]
-        await b.settle()
-        kwargs = audit.worker_settings(settings) | {"handle_signals": False, "burst": True}
-        # Fail fast rather than retry for 40 s when the connection cannot be made at all.
-        kwargs["redis_settings"].conn_retries = 0
-        worker = audit.AuditWorker(**kwargs)
-        try:
-            await asyncio.wait_for(worker.async_run(), 60)
-        finally:
-            await worker.close()
-        for t, p in zip(threads, prompts, strict=True):
-            assert (await b.get_prompt(t, p.prompt_id)).audit_item_id
-            assert (await b.items(t))[-1].type == "pending_prompt_resolved"
-
-
 async def test_the_audit_worker_reaches_a_tls_server_whose_ca_the_url_names(
     tls_url: str,
 ) -> None:
@@ -167,7 +142,7 @@ async def test_the_audit_worker_reaches_a_tls_server_whose_ca_the_url_names(
         await only_the_ca.ping()
     await only_the_ca.aclose()
     settings = Settings(redis_url=tls_url, key_prefix="tls" + uuid.uuid4().hex[:8])
-    await _answered_and_audited(settings, ["t1", "t2"])
+    await answered_and_audited(settings, ["t1", "t2"])
 
 
 async def test_a_fleet_runs_on_a_tls_server(tls_url: str, tmp_path: Path) -> None:
@@ -218,7 +193,7 @@ async def test_the_audit_worker_and_the_webhooks_reach_a_tls_cluster(
     settings = Settings(
         redis_url=tls_cluster_url, redis_cluster=True, key_prefix="tls" + uuid.uuid4().hex[:8]
     )
-    await _answered_and_audited(settings, [f"c{i}" for i in range(4)])
+    await answered_and_audited(settings, [f"c{i}" for i in range(4)])
     async with Broker.from_url(settings=settings) as b:
         queue = b.keys.audit_queue
         await b.redis.initialize()  # type: ignore[attr-defined]
