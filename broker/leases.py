@@ -16,13 +16,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 
 from broker._base import new_ulid
 from broker._scripts import Scripts
 from broker.indexes import Indexes
 from broker.keys import Keys, ThreadKeys
 
-__all__ = ["Candidates", "Fleet", "LeaseCore", "Leases", "Record"]
+__all__ = ["SCRIPT_PAGE", "Candidates", "Fleet", "LeaseCore", "Leases", "Record"]
+
+#: Threads one claim.lua or look.lua call takes at most: a script holds the server while it
+#: runs (some 5 to 10 us a thread), so a page of 10,000 is many short runs, not one long one.
+SCRIPT_PAGE = 250
 
 #: Claim replies after which a thread leaves the to-claim index.
 _SETTLED = frozenset({"claimed", "closed", "missing"})
@@ -184,11 +190,12 @@ class Leases:
         """Claim, in pipelined pages, those of `threads` whose holder is dead (or that have none):
         `{thread: epoch}` of those claimed.
 
-        Per page: read each session's holder; then (strictly after) the holders' records; then
-        one claim.lua per thread with what was seen, which takes it only if the session still
-        names that holder and the record showed it dead. Death is permanent (beat.lua), so what
-        was seen dead is dead when the claim runs. The claimer's index entry is written before
-        its claims, so a claimer that dies half-way leaves no thread it holds unfindable.
+        Read each session's holder; then (strictly after) the holders' records; then claim.lua,
+        on pages of `SCRIPT_PAGE` threads, with what was seen: it takes a thread only if its
+        session still names that holder and the record showed it dead. Death is permanent
+        (beat.lua), so what was seen dead is dead when the claim runs. The claimer's index entry
+        is written before its claims, so a claimer that dies half-way leaves no thread it holds
+        unfindable.
 
         `dead`: threads found in a dead incarnation's index, with that replica and its record
         as seen dead (`Candidates.dead`). Those sessions are not read first: the claim expects
@@ -210,27 +217,68 @@ class Leases:
         if holders:
             raw = await self._b.redis.hmget(k.replica_records, holders)  # type: ignore[misc]
             records = {o: r for o, v in zip(holders, raw, strict=True) if (r := _record(v))}
-        seen: list[tuple[str, str]] = []
+        seen: dict[str, tuple[str, str]] = {}
         pipe = self._b.redis.pipeline(transaction=False)
         pipe.sadd(k.holds(replica, incarnation), *threads)
-        for t in threads:
-            rec: Record | None
-            if t in dead:
-                owner, rec = dead[t]
-                inc = rec.incarnation
-            else:
-                owner, inc = read[t]
-                rec = records.get(owner)
-            seen.append((owner, inc))
-            observed = [rec.incarnation, rec.until] if rec else ["", 0]
-            self._b._scripts.queue(
-                pipe,
-                "claim",
-                [self._b.thread(t).session],
-                [replica, incarnation, owner, inc, *observed],
-            )
+        pages = self._pages(threads)
+        for page in pages:
+            args: list[Any] = [replica, incarnation]
+            for t in page:
+                rec: Record | None
+                if t in dead:
+                    owner, rec = dead[t]
+                    inc = rec.incarnation
+                else:
+                    owner, inc = read[t]
+                    rec = records.get(owner)
+                seen[t] = (owner, inc)
+                args += [owner, inc, *([rec.incarnation, rec.until] if rec else ["", 0])]
+            keys = [self._b.thread(t).session for t in page]
+            self._b._scripts.queue(pipe, "claim", keys, args)
         _, *replies = await self._b._scripts.run_pipeline(self._b.redis, pipe)
-        return await self._settle(threads, seen, replies, replica, incarnation)
+        threads = [t for page in pages for t in page]  # in the replies' order
+        flat = [r for page_replies in replies for r in page_replies]
+        return await self._settle(threads, [seen[t] for t in threads], flat, replica, incarnation)
+
+    def _pages(self, threads: Sequence[str]) -> list[list[str]]:
+        """`threads` in the groups one claim.lua or look.lua call takes: pages of `SCRIPT_PAGE`
+        on a single server; on a cluster, of one slot's threads (a script touches one slot)."""
+        groups: Sequence[Sequence[str]] = [threads]
+        if isinstance(self._b.redis, RedisCluster):
+            by_slot: dict[int, list[str]] = {}
+            for t in threads:
+                by_slot.setdefault(key_slot(self._b.thread(t).session.encode()), []).append(t)
+            groups = list(by_slot.values())
+        return [
+            list(group[i : i + SCRIPT_PAGE])
+            for group in groups
+            for i in range(0, len(group), SCRIPT_PAGE)
+        ]
+
+    async def look_many(
+        self, replica: str, incarnation: str, held: Mapping[str, int]
+    ) -> dict[str, str]:
+        """What each thread `held` (`thread -> the epoch held`) needs, in pages of look.lua:
+        `look`, `parked` (a dead holder's held wait, marked parked under that epoch) or
+        `quiet`, as broker/lua/look.lua says."""
+        if not held:
+            return {}
+        pages = self._pages(list(held))
+        pipe = self._b.redis.pipeline(transaction=False)
+        for page in pages:
+            keys: list[str] = []
+            args: list[Any] = [replica, incarnation]
+            for t in page:
+                tk = self._b.thread(t)
+                keys += [tk.session, tk.inbox]
+                args += [held[t], tk.base]
+            self._b._scripts.queue(pipe, "look", keys, args)
+        replies = await self._b._scripts.run_pipeline(self._b.redis, pipe)
+        return {
+            t: str(reply)
+            for page, page_replies in zip(pages, replies, strict=True)
+            for t, reply in zip(page, page_replies, strict=True)
+        }
 
     async def _settle(
         self,

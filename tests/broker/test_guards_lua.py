@@ -40,10 +40,7 @@ async def claimed(b: Broker, thread_id: str = "t1", replica: str = "r1") -> Thre
     tk = b.thread(thread_id)
     # As the holder-less session was read: nobody holds it, no record was seen.
     assert await call(b, "claim", [tk.session], [replica, INC, "", "", "", 0]) == [
-        "claimed",
-        "1",
-        "",
-        "",
+        ["claimed", "1", "", ""]
     ]
     return tk
 
@@ -190,7 +187,7 @@ def claim_args(replica: str, seen: tuple[str, str], record: tuple[str, int]) -> 
 async def test_claim_of_no_session_writes_nothing(broker: Broker) -> None:
     tk = broker.thread("t1")
     assert await call(broker, "claim", [tk.session], claim_args("r1", ("", ""), ("", 0))) == [
-        "missing"
+        ["missing"]
     ]
     assert await broker.redis.exists(tk.session) == 0
 
@@ -199,7 +196,7 @@ async def test_claim_of_a_closed_thread_is_refused(broker: Broker) -> None:
     tk = await claimed(broker)
     assert (await call(broker, "close", [tk.session], []))[0] == "closed"
     args = claim_args("r2", ("", ""), ("", 0))
-    assert await call(broker, "claim", [tk.session], args) == ["closed"]
+    assert await call(broker, "claim", [tk.session], args) == [["closed"]]
     assert (await hgetall(broker, tk.session))["owner"] == ""
 
 
@@ -208,7 +205,7 @@ async def test_claim_only_from_the_holder_it_read(broker: Broker) -> None:
     tk = await claimed(broker)
     for seen in (("r9", INC), ("r1", "old")):
         args = claim_args("r2", seen, ("", 0))
-        assert await call(broker, "claim", [tk.session], args) == ["moved", "r1", INC]
+        assert await call(broker, "claim", [tk.session], args) == [["moved", "r1", INC]]
     s = await hgetall(broker, tk.session)
     assert s["owner"] == "r1" and s["epoch"] == "1"
 
@@ -220,11 +217,11 @@ async def test_claim_only_from_a_dead_holder(broker: Broker) -> None:
     tk = await claimed(broker)
     future = await broker.sessions.server_ms() + TTL
     alive = claim_args("r2", ("r1", INC), (INC, future))
-    assert await call(broker, "claim", [tk.session], alive) == ["held", "r1", INC]
+    assert await call(broker, "claim", [tk.session], alive) == [["held", "r1", INC]]
     other = claim_args("r2", ("r1", INC), ("inc0", future))
-    assert await call(broker, "claim", [tk.session], other) == ["claimed", "2", "r1", INC]
+    assert await call(broker, "claim", [tk.session], other) == [["claimed", "2", "r1", INC]]
     expired = claim_args("r3", ("r2", "inc2"), ("inc2", 1))
-    assert await call(broker, "claim", [tk.session], expired) == ["claimed", "3", "r2", "inc2"]
+    assert await call(broker, "claim", [tk.session], expired) == [["claimed", "3", "r2", "inc2"]]
     s = await hgetall(broker, tk.session)
     assert s["owner"] == "r3" and s["epoch"] == "3"
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from broker import Broker, Fenced, Settings
+from broker import Broker, Fenced, Settings, leases
 from tests.conftest import RedisServer
 from tests.helpers import drop_indexes, expire, index_members, replica_record, truthy, until
 from workers.agents.harness import approval_question
@@ -61,7 +61,8 @@ async def test_claim_refuses_a_holder_other_than_the_one_read(broker: Broker) ->
     session = broker.thread("t1").session
 
     async def claim(*args: Any) -> list[Any]:
-        return list(await broker._scripts.call(broker.redis, "claim", [session], list(args)))
+        (reply,) = await broker._scripts.call(broker.redis, "claim", [session], list(args))
+        return list(reply)
 
     far = int(time.time() * 1000) + TTL
     assert (await claim("rb", "x", "", "", "", 0))[0] == "moved"  # read it unowned: it is not
@@ -134,6 +135,29 @@ async def test_a_beat_is_one_write_whatever_is_held(broker: Broker) -> None:
     assert await broker.sessions.beat("ra", ra, TTL) is not None
     after = [await broker.redis.hgetall(broker.thread(t).session) for t in threads]  # type: ignore[misc]
     assert after == before
+
+
+async def test_claims_on_several_script_pages_each_get_their_own_reply(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """claim.lua takes a page of threads in one run: with pages of three, a mix of free, held,
+    closed and missing threads is claimed exactly where each one's own reply says so, and the
+    claimer's holds index ends with those only."""
+    monkeypatch.setattr(leases, "SCRIPT_PAGE", 3)
+    ra, _, _ = await broker.sessions.join("ra", TTL)
+    rb, _, _ = await broker.sessions.join("rb", TTL)
+    free = [f"f{i}" for i in range(5)]
+    held = [f"h{i}" for i in range(3)]
+    for t in [*free, *held, "closed"]:
+        await broker.sessions.create(t, "scripted", "approval", {})
+    assert await broker.sessions.claim_many(held, "rb", rb) == dict.fromkeys(held, 1)
+    await broker.sessions.close("closed")
+    mixed = ["f0", "h0", "missing", "f1", "closed", "h1", "f2", "f3", "h2", "f4"]
+    assert await broker.sessions.claim_many(mixed, "ra", ra) == dict.fromkeys(free, 1)
+    for t in held:
+        assert await broker.redis.hget(broker.thread(t).session, "owner") == "rb"  # type: ignore[misc]
+    holds = broker.keys.holds("ra", ra)
+    assert await broker.redis.smembers(holds) == set(free)  # type: ignore[misc]
 
 
 async def test_a_restart_frees_what_the_former_incarnation_held_at_once(broker: Broker) -> None:

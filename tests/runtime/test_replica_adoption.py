@@ -20,6 +20,7 @@ from broker import (
     Item,
     Question,
     Session,
+    leases,
 )
 from tests.helpers import index_count, of_type, outputs, stays, text, truthy, until
 from tests.runtime.test_replica import (
@@ -316,9 +317,9 @@ async def test_sweep_finds_work_whose_bell_was_missed(fleet: Fleet, person: Brok
 
 
 async def test_the_look_script_says_which_held_threads_need_a_look_and_parks_dead_waits(
-    person: Broker,
+    person: Broker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """look.lua, one per thread in a replica's batched look: `look` for a thread lost (holder,
+    """look.lua, on pages of threads in a replica's batched look: `look` for a thread lost (holder,
     incarnation or epoch), with messages queued, a turn that died, or its prompt resolved;
     `parked` for a held wait left running (the session parked, in that step); else `quiet`.
     A thread it does not hold is left as it is."""
@@ -331,9 +332,7 @@ async def test_the_look_script_says_which_held_threads_need_a_look_and_parks_dea
         return epoch
 
     async def look(thread_id: str, epoch: int, replica: str = "r1", inc: str = "i1") -> str:
-        keys = b.thread(thread_id)
-        args = [replica, inc, epoch, keys.base]
-        return str(await b._scripts.call(b.redis, "look", [keys.session, keys.inbox], args))
+        return (await b.sessions.look_many(replica, inc, {thread_id: epoch}))[thread_id]
 
     # A held wait whose holder died: parked here, then quiet.
     epoch = await held("w", "running")
@@ -356,3 +355,22 @@ async def test_the_look_script_says_which_held_threads_need_a_look_and_parks_dea
     for status in ("running", "parked"):
         epoch = await held(f"d-{status}", status)
         assert await look(f"d-{status}", epoch) == "look"
+    # Many at once, on pages of two: each reply is its own thread's. A held wait left running
+    # is parked, one idle is quiet, one parked on its pending prompt is quiet, one lost is a look.
+    monkeypatch.setattr(leases, "SCRIPT_PAGE", 2)
+    epochs = {"q": await held("q", "idle"), "p": await held("p", "running"), "w2": 0}
+    await b.ask("p", "approval", [Question(question="Go?")], epoch=epochs["p"], agent_state={})
+    epochs["w2"] = await held("w2", "running")
+    await b.ask("w2", "approval", [Question(question="Go?")], epoch=epochs["w2"], agent_state={})
+    assert await look("w2", epochs["w2"]) == "parked"
+    epochs["lost"] = await held("lost", "idle") + 1
+    order = ["q", "p", "lost", "w2", "i"]
+    epochs["i"] = (await session(b, "i")).epoch
+    assert await b.sessions.look_many("r1", "i1", {t: epochs[t] for t in order}) == {
+        "q": "quiet",
+        "p": "parked",
+        "lost": "look",
+        "w2": "quiet",
+        "i": "look",
+    }
+    assert (await session(b, "p")).status == "parked"

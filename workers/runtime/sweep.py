@@ -1,7 +1,7 @@
 """A replica's batched looks at the threads it holds: for work a missed bell would have announced.
 
 A resubscription, a fresh adoption, or a look that failed on a Redis error has threads looked at
-in a batch (`suspect`, the `sweep` loop): one look.lua each, in pipelines, reads their records;
+in a batch (`suspect`, the `sweep` loop): look.lua, on pages of them, reads their records;
 only the threads with something to do are kicked, and a dead holder's held wait is adopted as
 parked right there, in the same step.
 """
@@ -43,19 +43,10 @@ class Sweeping(Holder):
                 self.kick(thread_id)
 
     async def _needing_a_look(self, threads: list[_Thread]) -> list[str]:
-        """Of these idle threads, those with something to do: one look.lua each, in one
-        pipeline. A dead holder's held wait (status running, its prompt pending, no turn here)
-        is adopted as parked right there, in the same step, rather than by a look each."""
-        b = self.broker
-        pipe = b.redis.pipeline(transaction=False)
-        for t in threads:
-            keys = b.thread(t.thread_id)
-            b._scripts.queue(
-                pipe,
-                "look",
-                [keys.session, keys.inbox],
-                [self.id, self.incarnation, t.epoch, keys.base],
-            )
-        replies = await b._scripts.run_pipeline(b.redis, pipe)
+        """Of these idle threads, those with something to do: look.lua, on pages of them. A
+        dead holder's held wait (status running, its prompt pending, no turn here) is adopted
+        as parked right there, in the same step, rather than by a look each."""
+        held = {t.thread_id: t.epoch for t in threads}
+        replies = await self.broker.sessions.look_many(self.id, self.incarnation, held)
         # look: lost, messages waiting, a turn that died, its prompt resolved: act on it
-        return [t.thread_id for t, reply in zip(threads, replies, strict=True) if reply == "look"]
+        return [t for t, reply in replies.items() if reply == "look"]
