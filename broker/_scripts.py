@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
@@ -216,7 +216,9 @@ def raise_first(results: list[Any]) -> None:
 
 
 def stack_of(pipe: Pipeline) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """The pipeline's commands as (args, options): a cluster pipeline keeps them elsewhere."""
+    """The pipeline's commands as (args, options): a cluster pipeline keeps them elsewhere. A
+    plain pipeline's are already so (redis-py queues `(args tuple, options dict)` and never
+    changes them; its reset makes a new list): a shallow copy, not one of every command."""
     if isinstance(pipe, ClusterPipeline):
         return [(tuple(c.args), dict(c.kwargs)) for c in pipe._command_stack]
-    return [(tuple(args), dict(options)) for args, options in pipe.command_stack]
+    return list(cast(list[Command], pipe.command_stack))

@@ -118,6 +118,17 @@ class ShardedPubSub:
             raise item
         return item
 
+    def take_buffered(self) -> dict[str, Any] | None:
+        """A message read in already, or None (waiting for none): broker/_waiter.py drains
+        these after each `get_message`."""
+        try:
+            item = self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
     async def aclose(self) -> None:
         for task in self._readers:
             task.cancel()

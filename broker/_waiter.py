@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from redis._parsers.hiredis import NOT_ENOUGH_DATA, _AsyncHiredisParser
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -163,8 +164,10 @@ class Waiter:
             self._listeners.pop(channel, None)
 
     def _hold(self, channel: str, thread_id: str) -> None:
-        self._channels.setdefault(channel, _Channel(thread_id))
-        self._channels[channel].waits += 1
+        ch = self._channels.get(channel)
+        if ch is None:  # made only when new: a _Channel has an Event to make
+            ch = self._channels[channel] = _Channel(thread_id)
+        ch.waits += 1
         self._start()
 
     def _release(self, channel: str) -> None:
@@ -275,11 +278,16 @@ class Waiter:
                     await self._subscribe_now(list(self._channels))
                     continue
                 msg = await ps.get_message(ignore_subscribe_messages=False, timeout=_READ_FOR)
-                if msg is not None and await self._handle(msg) and nothing_received(ps.connection):
-                    # A wait was just given its answer and no other bell is in: let it run
-                    # before this task reads on (redis-py's next read would come first, on
-                    # the wake's path). With more in, they are read first, all in this turn.
-                    await asyncio.sleep(0)
+                while msg is not None:
+                    woke = await self._handle(msg)
+                    # What was read in already is handed out with no read, no timer: 10,000
+                    # confirmations in a row cost a get_message each otherwise.
+                    msg = await next_buffered(ps)
+                    if msg is None and woke and nothing_received(ps.connection):
+                        # A wait was just given its answer and no other bell is in: let it run
+                        # before this task reads on (redis-py's next read would come first, on
+                        # the wake's path). With more in, they are read first, all in this turn.
+                        await asyncio.sleep(0)
                 failures = 0
             except asyncio.CancelledError:
                 raise
@@ -388,6 +396,31 @@ class Waiter:
             w.futures.remove(fut)
         if not w.futures:
             del self._waits[prompt_id]
+
+
+async def next_buffered(ps: Any) -> dict[str, Any] | None:
+    """The next message pub/sub `ps` has read in whole already, or None: no socket read, no
+    timer (redis-py's get_message arms a timeout on every call). A ShardedPubSub has its own
+    queue; a redis-py PubSub's replies are in hiredis's reader, parsed. None when unsure (no
+    connection, another parser): the caller reads the usual way."""
+    take = getattr(ps, "take_buffered", None)
+    if take is not None:
+        message: dict[str, Any] | None = take()
+        return message
+    conn: Any = ps.connection
+    parser: Any = getattr(conn, "_parser", None)
+    reader: Any = getattr(parser, "_reader", None)
+    if not isinstance(parser, _AsyncHiredisParser) or not parser._connected or reader is None:
+        return None
+    while (reply := reader.gets()) is not NOT_ENOUGH_DATA:
+        if isinstance(reply, Exception):  # an error reply, or the parser's: as redis-py would
+            raise reply
+        if conn.health_check_interval and reply in ps.health_check_response:
+            continue  # redis-py hides its health check's PONG too
+        message = await ps.handle_message(reply, ignore_subscribe_messages=False)
+        if message is not None:
+            return message
+    return None
 
 
 def nothing_received(conn: object) -> bool:
