@@ -199,6 +199,38 @@ async def test_reread_after_resubscription(
     await no_loop_errors(loop_errors)
 
 
+async def test_a_burst_of_bells_wakes_every_wait_with_its_own_answer(
+    make_broker: BrokerFactory, backend: str
+) -> None:
+    """Bells that arrive together are handed out from what was read in already: each of 300
+    waits (the sweep an hour away: only the bells can wake them) returns its own prompt's
+    answer, and on a real server the reader needed far fewer reads than it had bells."""
+    agent = await make_broker(sweep_interval=NEVER)
+    surface = await make_broker()
+    prompts = [await agent.ask(f"t{i}", "approval", [APPROVAL]) for i in range(300)]
+    waits = [asyncio.create_task(agent.wait(p.thread_id, p.prompt_id)) for p in prompts]
+    for p in prompts:
+        await began_waiting(agent, p.thread_id, p.prompt_id)
+    ps: Any = agent._waiter._pubsub
+    reads = 0
+    read = ps.get_message
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal reads
+        reads += 1
+        return await read(*args, **kwargs)
+
+    ps.get_message = counted
+    words = ["yes" if i % 2 else "no" for i in range(len(prompts))]
+    await asyncio.gather(*(surface.post_item(p.thread_id, text(w)) for p, w in zip(prompts, words)))
+    results = await asyncio.wait_for(asyncio.gather(*waits), 10)
+    assert [r[0].answer for r in results] == [
+        ["Approve"] if w == "yes" else ["Deny"] for w in words
+    ]
+    if backend != "fake":  # fakeredis's connection has no hiredis reader to hand them out
+        assert 0 < reads < len(prompts) / 2
+
+
 async def _all_subscribed(rig: Rig, channels: list[str]) -> bool:
     return all([await numsub(rig.admin, c) == 1 for c in channels])
 
