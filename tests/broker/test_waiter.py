@@ -222,7 +222,8 @@ async def test_a_burst_of_bells_wakes_every_wait_with_its_own_answer(
 
     ps.get_message = counted
     words = ["yes" if i % 2 else "no" for i in range(len(prompts))]
-    await asyncio.gather(*(surface.post_item(p.thread_id, text(w)) for p, w in zip(prompts, words)))
+    posts = [surface.post_item(p.thread_id, text(w)) for p, w in zip(prompts, words, strict=True)]
+    await asyncio.gather(*posts)
     results = await asyncio.wait_for(asyncio.gather(*waits), 10)
     assert [r[0].answer for r in results] == [
         ["Approve"] if w == "yes" else ["Deny"] for w in words
