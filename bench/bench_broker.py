@@ -199,6 +199,8 @@ class Samples:
     wake: list[float] = field(default_factory=list)  # post_item called -> wait() returned
     posted: list[float] = field(default_factory=list)  # post_item called -> post_item returned
     heard: list[float] = field(default_factory=list)  # post_item called -> the waiter heard it
+    written: list[float] = field(default_factory=list)  # post_item called -> route.lua written
+    floor_written: list[float] = field(default_factory=list)  # PUBLISH called -> written
 
 
 class Floor:
@@ -263,23 +265,53 @@ class Asker:
             out.wake.append(run.returned - run.posting)
 
 
+def _note_writes(client: Redis, writes: list[float]) -> None:
+    """Every connection `client`'s pool makes from now on appends the time (perf_counter) of
+    each write to `writes`: for the breakdown only (when a call's command left the client)."""
+    pool: Any = client.connection_pool
+    make = pool.make_connection
+
+    def making() -> Any:
+        conn = make()
+        send = conn.send_packed_command
+
+        async def noting(command: Any, check_health: bool = True) -> None:
+            writes.append(time.perf_counter())
+            await send(command, check_health)
+
+        conn.send_packed_command = noting
+        return conn
+
+    pool.make_connection = making
+
+
 class LocalSurface:
-    """The surface Broker and a plain publisher on this process's event loop."""
+    """The surface Broker and a plain publisher on this process's event loop. `written`: how
+    long after its call the latest post's or publish's command was written (its first write)."""
 
     def __init__(self, url: str, prefix: str) -> None:
         self.broker, self.pub = _broker(url, prefix), _client(url)
+        self._writes: list[float] = []
+        _note_writes(self.broker.redis, self._writes)
+        _note_writes(self.pub, self._writes)
+        self.written = 0.0
 
     async def post(self, thread: str) -> tuple[float, float]:
+        self._writes.clear()
         t0 = time.perf_counter()
         routed = await self.broker.post_item(thread, ANSWER)
         t1 = time.perf_counter()
+        self.written = (self._writes or [t1])[0] - t0
         _check_answered(routed.outcome)
         return t0, t1
 
     async def publish(self, channel: str, payload: bytes) -> tuple[float, float]:
+        self._writes.clear()
         t0 = time.perf_counter()
         await self.pub.publish(channel, payload)
-        return t0, time.perf_counter()
+        t1 = time.perf_counter()
+        self.written = (self._writes or [t1])[0] - t0
+        return t0, t1
 
     async def aclose(self) -> None:
         await self.broker.aclose()
@@ -292,7 +324,8 @@ def _check_answered(outcome: str) -> None:
 
 
 def _surface_process(conn: PipeEnd, url: str, prefix: str) -> None:
-    """A surface in its own process: posts and publishes on request, replies with (t0, t1)."""
+    """A surface in its own process: posts and publishes on request, replies with (t0, t1,
+    written)."""
     asyncio.run(_serve_surface(conn, url, prefix))
 
 
@@ -303,9 +336,9 @@ async def _serve_surface(conn: PipeEnd, url: str, prefix: str) -> None:
             # Blocking is fine: this process does nothing else while it waits for a request.
             request = conn.recv()
             if request[0] == "post":
-                conn.send(await surface.post(request[1]))
+                conn.send((*await surface.post(request[1]), surface.written))
             elif request[0] == "publish":
-                conn.send(await surface.publish(request[1], request[2]))
+                conn.send((*await surface.publish(request[1], request[2]), surface.written))
             else:
                 break
     finally:
@@ -321,10 +354,11 @@ class RemoteSurface:
         self.proc = ctx.Process(target=_surface_process, args=(child, url, prefix), daemon=True)
         self.proc.start()
         child.close()
+        self.written = 0.0  # as LocalSurface.written, measured in the surface's process
 
     async def _request(self, *request: Any) -> tuple[float, float]:
         loop = asyncio.get_running_loop()
-        reply: asyncio.Future[tuple[float, float]] = loop.create_future()
+        reply: asyncio.Future[tuple[float, float, float]] = loop.create_future()
         fd = self.conn.fileno()
 
         def on_readable() -> None:
@@ -335,7 +369,8 @@ class RemoteSurface:
         loop.add_reader(fd, on_readable)
         try:
             self.conn.send(request)
-            return await reply
+            t0, t1, self.written = await reply
+            return t0, t1
         finally:
             loop.remove_reader(fd)
 
@@ -370,12 +405,15 @@ async def bench_wake(url: str, n: int, settle: float) -> None:
             for tag, surface, out in (("a", local, same), ("b", remote, apart)):
                 thread = f"wake-{tag}-{i + warmup:06d}"
                 await asker.sample(thread, surface.post, out if keep else None)
+                written = surface.written
                 # The same pause before the floor's PUBLISH as before the wake's post (the
                 # wait's settling): each starts from an idle Redis and an idle loop alike.
                 await asyncio.sleep(settle)
                 floor_s = await floor.sample(payload, surface.publish)
                 if keep:
                     out.floor.append(floor_s)
+                    out.written.append(written)
+                    out.floor_written.append(surface.written)
             t0 = time.perf_counter()
             await ping.ping()
             if keep:
@@ -419,6 +457,8 @@ def print_wake(title: str, s: Samples, size: int) -> None:
     )
     deliver = [w - h for w, h in zip(s.wake, s.heard, strict=True)]
     for label, xs in [
+        ("  the floor's PUBLISH written (redis-py)", s.floor_written),
+        ("  post_item's route.lua written", s.written),
         ("  post_item returned (route.lua, 1 RT)", s.posted),
         ("  the asker's waiter heard the bell", s.heard),
         ("  heard -> wait() returned", deliver),
