@@ -8,7 +8,6 @@ and a claim (claim.lua) takes a thread only on evidence that its holder is dead,
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -375,43 +374,3 @@ async def test_a_replica_whose_record_vanished_frees_its_threads_on_joining_agai
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)
-
-
-# -- the event loop's watch ----------------------------------------------------------------------
-
-
-def hold_the_loop(seconds: float) -> None:
-    """Something synchronous on the event loop's thread: it yields to nothing meanwhile."""
-    time.sleep(seconds)
-
-
-@pytest.mark.single_server("the loop watch touches no Redis: one run is enough")
-async def test_a_held_event_loop_is_reported_once_with_what_held_it(
-    fleet: Any, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The beats run on the loop: a loop held without yielding can let the record run out. The
-    replica's watch logs `replica.loop_blocked` once per stall, with the loop thread's stack
-    (naming what held it), and `replica.loop_unblocked` with how long, when it comes round."""
-    caplog.set_level(logging.INFO, logger="workers.runtime.replica")
-    r = await fleet.start("ra", lease_ttl=4.0)  # blocked after 1 s
-
-    def events(name: str) -> list[logging.LogRecord]:
-        return [rec for rec in caplog.records if rec.getMessage() == name]
-
-    async def watching() -> bool:
-        return r.replica.loop_watch is not None
-
-    await until(watching, "the replica's loop watch")
-    await asyncio.sleep(0.5)
-    assert events("replica.loop_blocked") == []  # a loop that comes round is not reported
-    hold_the_loop(2.0)
-
-    async def unblocked() -> list[logging.LogRecord]:
-        return events("replica.loop_unblocked")
-
-    (back,) = await until(unblocked, "replica.loop_unblocked")
-    (report,) = events("replica.loop_blocked")
-    assert report.replica == "ra" and 1.0 <= report.blocked_s <= 2.0  # type: ignore[attr-defined]
-    assert "hold_the_loop" in report.stack[-1]  # type: ignore[attr-defined]
-    assert 1.5 <= back.blocked_s <= 2.5  # type: ignore[attr-defined]
-    assert r.replica.loop_watch is not None and r.replica.loop_watch.stalls == 1

@@ -171,12 +171,6 @@ BEATS_LATE = Counter(
     "began (the record came close to running out; the log's replica.beat_late says why).",
     registry=REGISTRY,
 )
-LOOPS_BLOCKED = Counter(
-    "prompt_broker_event_loop_blocked",
-    "Times this replica's event loop did not come round for a quarter of the lease TTL (0.5 to "
-    "1 s): something held it without yielding; the log's replica.loop_blocked has its stack.",
-    registry=REGISTRY,
-)
 EXPIRATIONS = Counter(
     "prompt_broker_replica_expirations",
     "Times this replica found its own record run out: it dropped every thread and joined again.",
@@ -203,7 +197,6 @@ _LOGGED: dict[str, tuple[Counter, str | None]] = {
     "replica.adopted": (ADOPTIONS, "threads"),
     "replica.lost_thread": (LOST_THREADS, None),
     "replica.beat_late": (BEATS_LATE, None),
-    "replica.loop_blocked": (LOOPS_BLOCKED, None),
     "replica.expired": (EXPIRATIONS, None),
     "wait.demoted": (DEMOTED, None),
     "waiter.disconnected": (RESUBSCRIBES, None),

@@ -58,7 +58,6 @@ from workers.runtime.adoption import Adoption
 from workers.runtime.examine import Examining
 from workers.runtime.heartbeat import Heartbeat
 from workers.runtime.holding import _HeldWait, _Thread, logger
-from workers.runtime.loopwatch import LoopWatch, blocked_after
 
 __all__ = ["OnFirstUse", "Replica", "default_harnesses"]
 
@@ -165,7 +164,6 @@ class Replica(Heartbeat, Adoption, Examining):
         self._kick_event = asyncio.Event()
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
-        self.loop_watch: LoopWatch | None = None  # from `run` on
         self.ttl_ms = int(self.settings.lease_ttl * 1000)
         self.incarnation = ""  # set by `join`: a new one for every start
         self._last_beat: float | None = None
@@ -183,8 +181,6 @@ class Replica(Heartbeat, Adoption, Examining):
         """Run until `stop` is set, then stop cleanly (see `shutdown`)."""
         await self._join()
         logger.info("replica.started", extra={"replica": self.id, "incarnation": self.incarnation})
-        self.loop_watch = LoopWatch(self.id, blocked_after(self.settings.lease_ttl))
-        self.loop_watch.start()
         self._tasks = [
             asyncio.create_task(
                 self._loop(self._adopt, self.settings.adopt_interval), name="adopt"
@@ -234,8 +230,6 @@ class Replica(Heartbeat, Adoption, Examining):
         with contextlib.suppress(BrokerError, OSError, ConnectionError):
             released = await self.broker.sessions.release_all(self.id, self.incarnation, epochs)
         logger.info("replica.stopped", extra={"replica": self.id, "released": released})
-        if self.loop_watch is not None:
-            await self.loop_watch.stop()
 
     async def _loop(self, step: Any, interval: float) -> None:
         while True:
