@@ -247,7 +247,9 @@ class Leases:
         if isinstance(self._b.redis, RedisCluster):
             by_slot: dict[int, list[str]] = {}
             for t in threads:
-                by_slot.setdefault(key_slot(self._b.thread(t).session.encode()), []).append(t)
+                # A thread's keys hash on `{thread_id}`: its slot is the id's own (as bucket_of
+                # in broker/keys.py takes it), with no key names to build.
+                by_slot.setdefault(key_slot(t.encode()), []).append(t)
             groups = list(by_slot.values())
         return [
             list(group[i : i + SCRIPT_PAGE])
