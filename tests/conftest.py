@@ -76,11 +76,22 @@ class RedisClusterNodes:
             node.stop()
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for outgoing connections and for bind(0)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768  # Linux's default
+
+
 def _cluster_port() -> int:
-    """A free port whose cluster bus port (10,000 higher) is free too: at most 55,535."""
+    """A free port whose cluster bus port (10,000 higher) is free too, both below the kernel's
+    ephemeral range: a client's outgoing connection or another server's `free_port()` (bind to
+    port 0) can never take either between this check and redis-server's bind."""
+    top = max(_ephemeral_low() - 10_000, 11_000)
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(20_000, 45_000)
+        port = rng.randrange(10_000, top)
         try:
             for p in (port, port + 10_000):
                 with socket.socket() as s:
@@ -89,6 +100,23 @@ def _cluster_port() -> int:
             continue
         return port
     raise RuntimeError("no free port pair for a cluster node")
+
+
+def _start_node(node: RedisServer) -> None:
+    """Start one cluster node; where its port was taken in between (redis-server exits at
+    once), try again on another free pair, up to five times."""
+    for attempt in range(5):
+        try:
+            node.start(
+                "--cluster-enabled", "yes", "--cluster-config-file", str(node.dir / "nodes.conf"),
+                "--cluster-node-timeout", "2000", "--logfile", str(node.dir / "redis.log"),
+            )  # fmt: skip
+            return
+        except RuntimeError:
+            if attempt == 4 or node.proc is None or node.proc.poll() is None:
+                raise
+            node.proc = None
+            node.port = _cluster_port()
 
 
 def start_cluster_nodes(root: Path, count: int) -> RedisClusterNodes:
@@ -101,10 +129,7 @@ def start_cluster_nodes(root: Path, count: int) -> RedisClusterNodes:
     try:
         for node in nodes:
             node.dir.mkdir()
-            node.start(
-                "--cluster-enabled", "yes", "--cluster-config-file", str(node.dir / "nodes.conf"),
-                "--cluster-node-timeout", "2000", "--logfile", str(node.dir / "redis.log"),
-            )  # fmt: skip
+            _start_node(node)
     except BaseException:
         cluster.stop()
         raise
