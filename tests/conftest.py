@@ -109,10 +109,10 @@ def _start_node(node: RedisServer) -> None:
         try:
             node.start(
                 "--cluster-enabled", "yes", "--cluster-config-file", str(node.dir / "nodes.conf"),
-                "--cluster-node-timeout", "2000", "--logfile", str(node.dir / "redis.log"),
+                "--cluster-node-timeout", "2000",
             )  # fmt: skip
             return
-        except RuntimeError:
+        except RuntimeError:  # its message ends with the log's last lines
             if attempt == 4 or node.proc is None or node.proc.poll() is None:
                 raise
             node.proc = None
@@ -123,7 +123,13 @@ def start_cluster_nodes(root: Path, count: int) -> RedisClusterNodes:
     """`count` `redis-server --cluster-enabled yes` on free loopback ports, each in a folder of
     its own under `root`, not joined yet; stopped by their pids."""
     nodes = [
-        RedisServer(_cluster_port(), root / f"node-{i}", appendonly=False) for i in range(count)
+        RedisServer(
+            _cluster_port(),
+            root / f"node-{i}",
+            appendonly=False,
+            logfile=str(root / f"node-{i}" / "redis.log"),
+        )
+        for i in range(count)
     ]
     cluster = RedisClusterNodes(nodes)
     try:

@@ -94,17 +94,30 @@ class RedisServer:
             if proc.poll() is not None:
                 raise RuntimeError(
                     f"redis-server on port {self.port} exited with {proc.returncode}"
+                    + self._log_tail()
                 )
             try:
                 with redis.Redis(port=self.port, socket_timeout=0.5) as probe:
-                    probe.ping()
-                return
+                    # Ours, not another server already on the port (ours then exits at once).
+                    if int(probe.info("server")["process_id"]) == proc.pid:
+                        return
+                time.sleep(0.05)
             except (redis.ConnectionError, redis.TimeoutError):
                 # While an AOF is loaded the server answers LOADING (a BusyLoadingError, which is
                 # a ConnectionError): not ready yet.
                 time.sleep(0.05)
         proc.kill()
         raise RuntimeError(f"redis-server on port {self.port} did not start")
+
+    def _log_tail(self, lines: int = 5) -> str:
+        """The last lines of the server's log file, where it has one: why it exited."""
+        if not self.logfile:
+            return ""
+        try:
+            tail = Path(self.logfile).read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return "; its log ends: " + " | ".join(line.strip() for line in tail) if tail else ""
 
     def kill(self) -> None:
         """kill -9: the server vanishes mid-write; only the AOF keeps what it had."""
