@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection as PipeEnd
 from pathlib import Path
@@ -868,6 +868,7 @@ class Load:
     seconds: float
     prefix: str
     queue_url: str = ""  # arq's queue on a redis-server of its own (PROMPT_BROKER_QUEUE_URL)
+    threads: int = 20  # threads each client process drives at once
 
 
 def _throughput_process(conn: PipeEnd, load: Load, name: str) -> None:
@@ -881,7 +882,7 @@ def _throughput_process(conn: PipeEnd, load: Load, name: str) -> None:
 
 async def _lifecycles_for(conn: PipeEnd, load: Load, name: str) -> int:
     """Lifecycles (ask, answer, wait returning) done in `load.seconds` from the parent's go,
-    THREADS_PER_PROCESS at a time, on threads of their own (`name`) under the fleet's prefix."""
+    `load.threads` at a time, on threads of their own (`name`) under the fleet's prefix."""
     answer = {"content": [{"type": "text", "text": "yes"}]}
     settings = Settings(key_prefix=load.prefix, queue_url=load.queue_url)
     async with Broker.from_url(load.url, settings, cluster=load.cluster) as b:
@@ -899,14 +900,19 @@ async def _lifecycles_for(conn: PipeEnd, load: Load, name: str) -> int:
                 await asyncio.sleep(0)
                 await b.post_item(thread, answer)
                 await waiting
-                done += 1
+                # Only what ended within the time: a lifecycle still in flight at the deadline
+                # (each client holds `load.threads`, a second's worth and more on a slow
+                # setup) ends after the servers' counts were read, and is not counted either.
+                done += time.monotonic() <= deadline
 
-        await asyncio.gather(*(one_thread(f"{name}-{i}") for i in range(THREADS_PER_PROCESS)))
+        await asyncio.gather(*(one_thread(f"{name}-{i}") for i in range(load.threads)))
         return done
 
 
-#: Threads each client process drives at once.
-THREADS_PER_PROCESS = 20
+#: Threads each client process drives at once, one load after another: a setup's capacity is
+#: its best lifecycles/s over them (more threads, bigger batches a round trip: three primaries
+#: reach their best at a higher load than one does).
+LOADS = (20, 50, 100)
 
 
 def lifecycles_per_second(
@@ -917,9 +923,12 @@ def lifecycles_per_second(
     started: Callable[[], None] = lambda: None,
     *,
     queue_url: str = "",
+    threads: int = 20,
+    ended: Callable[[], None] = lambda: None,
 ) -> float:
     """Every process drives its threads for `seconds`, all from one go (`started` is called
-    then), under the default key prefix as one fleet would: the aggregate lifecycles/s."""
+    just before it, `ended` `seconds` after it), under the default key prefix as one fleet
+    would: the aggregate lifecycles/s of the lifecycles that ended within those seconds."""
     ctx = multiprocessing.get_context("spawn")
     # The default prefix (each setup is a fresh server): on a cluster its fixed-slot keys (the
     # event stream, arq's queue) fall where a default deployment's do.
@@ -927,7 +936,7 @@ def lifecycles_per_second(
     pipes = []
     for i in range(processes):
         parent, child = ctx.Pipe()
-        load = Load(url, cluster, seconds, prefix, queue_url)
+        load = Load(url, cluster, seconds, prefix, queue_url, threads)
         proc = ctx.Process(target=_throughput_process, args=(child, load, f"{prefix}-p{i}"))
         proc.start()
         pipes.append((parent, proc))
@@ -935,8 +944,11 @@ def lifecycles_per_second(
         if (said := parent.recv()) != "ready":
             raise RuntimeError(f"a client process did not start: {said}")
     started()
+    go = time.monotonic()
     for parent, _ in pipes:
         parent.send("go")
+    time.sleep(max(0.0, go + seconds - time.monotonic()))
+    ended()
     total = 0
     for parent, proc in pipes:
         done = parent.recv()
@@ -965,6 +977,7 @@ class Shard:
     cluster: bool
     primaries: list[int]
     queue: RedisServer | None = None
+    threads: int = 20  # each client process's threads
     lifecycles: int = 0
     seconds: float = 0.0
     cpu: list[float] = field(default_factory=list)  # each primary's CPU seconds
@@ -987,19 +1000,29 @@ def _drive(shard: Shard, processes: int, seconds: float) -> None:
     """One round of `shard`'s setup, added to it."""
     ports = [*shard.primaries, *([shard.queue.port] if shard.queue is not None else [])]
     before: list[tuple[float, int]] = []
+    after: list[tuple[float, int]] = []
 
     def started() -> None:
         before.extend(_server_counts(p) for p in ports)
 
+    def ended() -> None:  # at the deadline: the in-flight lifecycles' ends are not counted
+        after.extend(_server_counts(p) for p in ports)
+
     queue_url = shard.queue.url if shard.queue is not None else ""
     rate = lifecycles_per_second(
-        shard.url, shard.cluster, processes, seconds, started, queue_url=queue_url
+        shard.url,
+        shard.cluster,
+        processes,
+        seconds,
+        started,
+        queue_url=queue_url,
+        threads=shard.threads,
+        ended=ended,
     )
-    after = [_server_counts(p) for p in ports]
     spent = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
     reads = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
     n = len(shard.primaries)
-    # The processes ran `seconds` from the go; reading each server's counts took a moment more.
+    # The counts were read at the go and `seconds` after it (each server's a moment apart).
     shard.lifecycles += round(rate * seconds)
     shard.seconds += seconds
     shard.cpu = [x + y for x, y in zip(shard.cpu or [0.0] * n, spent[:n], strict=True)]
@@ -1050,7 +1073,13 @@ def _primaries(cluster: RedisClusterNodes) -> list[int]:
 
 
 def bench_cluster(
-    exe: str, processes: int, seconds: float, redis_cpu: float | None, rounds: int = 3
+    exe: str,
+    processes: int,
+    seconds: float,
+    redis_cpu: float | None,
+    rounds: int = 3,
+    *,
+    loads: Sequence[int] = LOADS,
 ) -> None:
     """Aggregate lifecycles/s from several client processes: one primary, then three.
 
@@ -1059,8 +1088,10 @@ def bench_cluster(
     redis-server of its own (PROMPT_BROKER_QUEUE_URL). One redis-server on its own (the
     default deployment) is printed for reference. With `redis_cpu`, every redis-server (the
     queue's too) is held to that share of one CPU, so the servers, not the machine, are the
-    limit. The setups take turns, `rounds` times `seconds / rounds` each: a host whose speed
-    drifts (this one's did by a fifth within minutes) slows them all alike."""
+    limit. Every setup is driven at each of `loads` (threads per client process), and its
+    capacity is its best: the scaling compares capacities. The setups and loads take turns,
+    `rounds` times `seconds / rounds` each: a host whose speed drifts (this one's did by a
+    fifth within minutes) slows them all alike."""
     from cpu_cap import cpu_capped
     from private_redis import PrivateRedis
 
@@ -1087,19 +1118,31 @@ def bench_cluster(
         one, three = ((c.url, True, _primaries(c)) for c in clusters)
         one_label = "a cluster of one primary (and its replica):"
         three_label = "a cluster of three primaries (a replica each):"
-        shards = [
-            Shard("one redis-server, no replica (reference):", single.url, False, [single.port]),
-            Shard(one_label, *one),
-            Shard(three_label, *three),
-            Shard("  " + one_label, *one, queue),
-            Shard("  " + three_label, *three, queue),
-        ]
+        by_load = {
+            n: [
+                Shard(
+                    "one redis-server, no replica (reference):",
+                    single.url,
+                    False,
+                    [single.port],
+                    threads=n,
+                ),
+                Shard(one_label, *one, threads=n),
+                Shard(three_label, *three, threads=n),
+                Shard("  " + one_label, *one, queue, threads=n),
+                Shard("  " + three_label, *three, queue, threads=n),
+            ]
+            for n in loads
+        }
         pids = [n.proc.pid for n in servers if n.proc is not None]
         with cpu_capped(pids, redis_cpu) if redis_cpu else contextlib.nullcontext():
             for _ in range(rounds):
-                for shard in shards:
-                    _drive(shard, processes, seconds / rounds)
-    _print_cluster(shards, processes, seconds, redis_cpu, rounds)
+                for shards in by_load.values():
+                    for shard in shards:
+                        _drive(shard, processes, seconds / rounds)
+    for shards in by_load.values():
+        _print_cluster(shards, processes, seconds, redis_cpu, rounds)
+    _print_capacity(by_load)
 
 
 def _print_cluster(
@@ -1114,7 +1157,7 @@ def _print_cluster(
         else "no CPU cap on the servers"
     )
     print(
-        f"\n4. Lifecycles per second, {processes} client processes of {THREADS_PER_PROCESS} "
+        f"\n4. Lifecycles per second, {processes} client processes of {alone.threads} "
         f"threads each, one key prefix (one fleet), {seconds:g} s a setup in {rounds} turns; "
         f"{cap}"
     )
@@ -1131,12 +1174,10 @@ def _print_cluster(
             busy += f"   queue's server {shard.queue_cpu / shard.seconds * 100:.1f}%"
         print(f"   {shard.label:48} {shard.rate:12,.0f} {cpu * 1e6:19.1f} us {reads:16.2f}  {busy}")
     for where, a, b in (("in the cluster", one, three), ("on its own server", one_q, three_q)):
-        ratio = b.rate / a.rate
         turns = [y / x for x, y in zip(a.rates, b.rates, strict=True)]
         print(
-            f"   scaling, three primaries / one, arq's queue {where}: {ratio:.2f}x "
-            f"(turns {min(turns):.2f}-{max(turns):.2f}x)   target >= {SCALING_TARGET:g}x: "
-            f"{verdict(ratio >= SCALING_TARGET)}"
+            f"   at this load, three primaries / one, arq's queue {where}: {b.rate / a.rate:.2f}x "
+            f"(turns {min(turns):.2f}-{max(turns):.2f}x)"
         )
     print(f"   (three primaries against the lone server: {three.rate / alone.rate:.2f}x; the")
     print("   primaries' CPU and reads per lifecycle leave the queue's own server out)")
@@ -1145,6 +1186,26 @@ def _print_cluster(
         print(
             "   (no cap: the servers share the machine's CPUs with the clients, so this shows "
             "what the machine does, not what more primaries give; see --redis-cpu)"
+        )
+
+
+def _print_capacity(by_load: dict[int, list[Shard]]) -> None:
+    """Each setup's capacity, its best lifecycles/s over the loads, and the scaling of it."""
+    print(
+        "\n   capacity: each setup's best lifecycles/s over the loads "
+        f"({', '.join(str(n) for n in by_load)} threads per client process)"
+    )
+
+    def best(i: int) -> Shard:
+        return max((shards[i] for shards in by_load.values()), key=lambda s: s.rate)
+
+    for where, i, j in (("in the cluster", 1, 2), ("on its own server", 3, 4)):
+        a, b = best(i), best(j)
+        ratio = b.rate / a.rate
+        print(
+            f"   arq's queue {where}: one primary {a.rate:,.0f}/s (at {a.threads}), three "
+            f"{b.rate:,.0f}/s (at {b.threads}): {ratio:.2f}x   target >= {SCALING_TARGET:g}x: "
+            f"{verdict(ratio >= SCALING_TARGET)}"
         )
 
 
@@ -1221,6 +1282,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--processes", type=int, default=4, help="client processes for --only cluster"
     )
     parser.add_argument(
+        "--loads",
+        default=",".join(str(n) for n in LOADS),
+        metavar="N,N",
+        help="for --only cluster: threads per client process, each a load every setup is "
+        f"driven at; a setup's capacity is its best (default {','.join(map(str, LOADS))})",
+    )
+    parser.add_argument(
         "--seconds", type=float, default=10.0, help="how long --only cluster drives each setup"
     )
     parser.add_argument(
@@ -1251,6 +1319,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.parked = [(k, float(v)) for k, _, v in (p.rpartition("=") for p in args.parked)]
     except ValueError:
         parser.error("--parked takes LABEL=BYTES")
+    try:
+        args.loads = tuple(int(n) for n in args.loads.split(","))
+    except ValueError:
+        parser.error("--loads takes whole numbers separated by commas, e.g. 20,50")
+    if min(args.loads) < 1:
+        parser.error("--loads must be positive")
     args.lifecycles = args.lifecycles or (200 if args.quick else 2000)
     args.prompts = args.prompts or (10_000 if args.quick else 100_000)
     if args.redis_server is None:
@@ -1285,6 +1359,7 @@ async def run(args: argparse.Namespace, url: str) -> None:
             args.seconds,
             args.redis_cpu,
             args.rounds,
+            loads=args.loads,
         )
 
 
