@@ -149,6 +149,7 @@ class BrokerBase:
     identity: str
     _scripts: Scripts
     _batch: Coalescer  # the hot path's commands, one pipeline per turn of the loop
+    _queue_batch: Coalescer | None  # the audit jobs on queue_redis, coalesced the same way
     _waiter: Waiter
     _closed: bool
     _deliveries: set[asyncio.Task[None]]

@@ -181,10 +181,12 @@ class Broker(Routing, Delivery, Timings):
         # arq's queues on a Redis of their own (PROMPT_BROKER_QUEUE_URL), else on `redis`: a
         # cluster's every lifecycle would put its job on the one primary of arq's slot.
         self.queue_redis: Redis | None = None
+        self._queue_batch = None
         if self.settings.queue_url:
             queue = Redis.from_url(self.settings.queue_url, decode_responses=True)
             self.queue_redis = _fast_packing(queue)
             self._derived.append(self.queue_redis)
+            self._queue_batch = Coalescer(self.queue_redis, self._scripts)
         # The stream trimming policy every script that adds an item applies (_retain.lua).
         self._retention = (self.settings.stream_max_items, self.settings.stream_max_age)
 
@@ -263,6 +265,8 @@ class Broker(Routing, Delivery, Timings):
                 task.cancel()
         self._closed = True
         await self._batch.aclose()
+        if self._queue_batch is not None:
+            await self._queue_batch.aclose()
         await self._waiter.aclose()
         if self._sharded is not None:
             await self._sharded.aclose()

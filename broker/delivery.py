@@ -195,12 +195,11 @@ class Delivery(Reads):
         run (after it, so the job never finds the step undone). If that Redis cannot be
         reached the step stands: the resolution is in the audit index, and the reconcile
         sweep enqueues its job (workers/runtime/audit.py)."""
-        if self.queue_redis is None:
+        if self._queue_batch is None:
             return
         try:
-            await self._scripts.call(
-                self.queue_redis, "enqueue", *self._audit_job(thread_id, prompt_id)
-            )
+            # Coalesced: the jobs of one turn share the round trip to the queue's server.
+            await self._queue_batch.call("enqueue", *self._audit_job(thread_id, prompt_id))
         except (RedisError, OSError) as e:
             logger.warning(
                 "prompt.audit_unqueued",
