@@ -84,27 +84,31 @@ def _ephemeral_low() -> int:
         return 32_768  # Linux's default
 
 
-def _cluster_port() -> int:
+def _cluster_port(taken: set[int]) -> int:
     """A free port whose cluster bus port (10,000 higher) is free too, both below the kernel's
-    ephemeral range: a client's outgoing connection or another server's `free_port()` (bind to
-    port 0) can never take either between this check and redis-server's bind."""
+    ephemeral range (a client's outgoing connection or another server's `free_port()`, a bind
+    to port 0, can never take either), and neither one of `taken`'s: the ports, and the bus
+    ports, of the nodes picked before it (one node's port can be another's bus port)."""
     top = max(_ephemeral_low() - 10_000, 11_000)
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(10_000, top)
+        if {port, port + 10_000} & taken:
+            continue
         try:
             for p in (port, port + 10_000):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", p))
         except OSError:
             continue
+        taken.update((port, port + 10_000))
         return port
     raise RuntimeError("no free port pair for a cluster node")
 
 
-def _start_node(node: RedisServer) -> None:
+def _start_node(node: RedisServer, taken: set[int]) -> None:
     """Start one cluster node; where its port was taken in between (redis-server exits at
-    once), try again on another free pair, up to five times."""
+    once, its log saying why), try again on another free pair, up to five times."""
     for attempt in range(5):
         try:
             node.start(
@@ -116,15 +120,16 @@ def _start_node(node: RedisServer) -> None:
             if attempt == 4 or node.proc is None or node.proc.poll() is None:
                 raise
             node.proc = None
-            node.port = _cluster_port()
+            node.port = _cluster_port(taken)
 
 
 def start_cluster_nodes(root: Path, count: int) -> RedisClusterNodes:
     """`count` `redis-server --cluster-enabled yes` on free loopback ports, each in a folder of
     its own under `root`, not joined yet; stopped by their pids."""
+    taken: set[int] = set()
     nodes = [
         RedisServer(
-            _cluster_port(),
+            _cluster_port(taken),
             root / f"node-{i}",
             appendonly=False,
             logfile=str(root / f"node-{i}" / "redis.log"),
@@ -135,7 +140,7 @@ def start_cluster_nodes(root: Path, count: int) -> RedisClusterNodes:
     try:
         for node in nodes:
             node.dir.mkdir()
-            _start_node(node)
+            _start_node(node, taken)
     except BaseException:
         cluster.stop()
         raise

@@ -104,7 +104,8 @@ def tls_url(certificates: Certificates, tmp_path: Path) -> Iterator[str]:
 def tls_cluster_url(certificates: Certificates, tmp_path: Path) -> Iterator[str]:
     """Three primaries answering TLS only to clients and to each other (`tls-cluster`), joined
     with `redis-cli --tls --cluster create`; each has a plain port too, to see it is up."""
-    tls_ports = [_cluster_port() for _ in range(3)]  # its bus: 10,000 higher (tls-cluster)
+    taken: set[int] = set()
+    tls_ports = [_cluster_port(taken) for _ in range(3)]  # its bus: 10,000 higher (tls-cluster)
     nodes = [RedisServer(free_port(), tmp_path / f"node-{i}", appendonly=False) for i in range(3)]
     cluster = RedisClusterNodes(nodes)
     try:
