@@ -121,6 +121,7 @@ def _start_node(node: RedisServer, taken: set[int]) -> None:
                 raise
             node.proc = None
             node.port = _cluster_port(taken)
+            (node.dir / "nodes.conf").unlink(missing_ok=True)  # a fresh node on the new pair
 
 
 def start_cluster_nodes(root: Path, count: int) -> RedisClusterNodes:
