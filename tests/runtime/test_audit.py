@@ -252,6 +252,38 @@ async def test_with_a_queue_url_the_audit_jobs_live_on_that_redis(
     assert await index_count(broker, "audit") == 0
 
 
+async def test_with_a_queue_url_the_audit_jobs_of_one_turn_share_a_round_trip(
+    make_broker: BrokerFactory, redis_server_factory: Callable[..., Any]
+) -> None:
+    """Twenty deliveries recorded at once put twenty jobs on the queue's own Redis in a few
+    round trips (coalesced), not one each: the socket reads that server processed are counted."""
+    queue_server = redis_server_factory(appendonly=False)
+    broker = await make_broker(queue_url=queue_server.url)
+    threads = [f"batch-{i}" for i in range(20)]
+    prompts = [await broker.ask(t, "approval", [APPROVAL]) for t in threads]
+    for t in threads:
+        await broker.post_item(t, text("yes"))
+    for t, p in zip(threads, prompts, strict=True):
+        await broker.wait(t, p.prompt_id, timeout=5, deliver=False)
+    queue = ArqRedis.from_url(queue_server.url)
+    try:
+        before = (await queue.info("stats"))["total_reads_processed"]
+        await asyncio.gather(
+            *(broker.deliver(t, p.prompt_id) for t, p in zip(threads, prompts, strict=True))
+        )
+        reads = (await queue.info("stats"))["total_reads_processed"] - before
+        queued = await queue.zrange(broker.keys.audit_queue, 0, -1)
+    finally:
+        await queue.aclose(close_connection_pool=True)
+    assert sorted(queued) == sorted(
+        broker.keys.audit_job_id(t, p.prompt_id).encode()
+        for t, p in zip(threads, prompts, strict=True)
+    )
+    # Coalesced: 6-12 here, with the CPU busy or not (the deliveries end in a few waves, and
+    # the second INFO counts); one round trip a job: 28-68 (new connections' handshakes too).
+    assert reads <= 15, f"{reads} reads on the queue's Redis for 20 jobs"
+
+
 async def test_a_queue_redis_down_leaves_the_answer_standing_and_reconcile_queues_it(
     make_broker: BrokerFactory,
     redis_server_factory: Callable[..., Any],
