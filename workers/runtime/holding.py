@@ -102,7 +102,9 @@ class Holder:
         if t is None:
             return
         self.broker.unlisten(thread_id, t.listener)
-        held = self._held.get(thread_id)
+        # Out of the held waits now, as the cap takes one (waits.py): a dropped thread holds
+        # nothing, though its wait's task ends a turn or more later.
+        held = self._held.pop(thread_id, None)
         if held is not None:
             held.demoted.set()
         if t.task is not None and not t.task.done() and t.task is not asyncio.current_task():
