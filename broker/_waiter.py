@@ -28,6 +28,7 @@ import orjson
 from redis._parsers.hiredis import NOT_ENOUGH_DATA, _AsyncHiredisParser
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
+from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
@@ -44,7 +45,7 @@ Listener = Callable[[str, Wake], None]
 
 _EXPECT_MAX = 10_000
 _BACKOFF = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
-#: Seconds one read of the pub/sub connection blocks before the reader looks around again.
+#: Seconds one get_message blocks before the reader looks around again (`read_message`).
 _READ_FOR = 5.0
 
 
@@ -277,7 +278,7 @@ class Waiter:
                         continue
                     await self._subscribe_now(list(self._channels))
                     continue
-                msg = await ps.get_message(ignore_subscribe_messages=False, timeout=_READ_FOR)
+                msg = await read_message(ps)
                 while msg is not None:
                     woke = await self._handle(msg)
                     # What was read in already is handed out with no read, no timer: 10,000
@@ -396,6 +397,36 @@ class Waiter:
             w.futures.remove(fut)
         if not w.futures:
             del self._waits[prompt_id]
+
+
+async def read_message(ps: Any) -> dict[str, Any] | None:
+    """The next message on pub/sub `ps`; None when `get_message` waited `_READ_FOR` for none.
+
+    On a redis-py PubSub with hiredis and no health checks to send, it reads straight off the
+    connection's parser: one read of the socket, then what that read completed
+    (`next_buffered`), with no timer and none of get_message's layers, on the wake's path. It
+    blocks until a message comes; a closed or failed connection raises, as in get_message, and
+    the waiter makes a new one. Otherwise (a ShardedPubSub, which reads its nodes itself;
+    another parser or a connection that reads another way, as fakeredis's; health checks,
+    which get_message sends while it waits): get_message."""
+    conn: Any = ps.connection if isinstance(ps, PubSub) else None
+    parser: Any = getattr(conn, "_parser", None)
+    if (
+        not isinstance(parser, _AsyncHiredisParser)
+        or not parser._connected
+        # A connection reading some other way (fakeredis's) does not read through its parser.
+        or type(conn).read_response is not AbstractConnection.read_response
+        or conn.health_check_interval
+    ):
+        message: dict[str, Any] | None = await ps.get_message(
+            ignore_subscribe_messages=False, timeout=_READ_FOR
+        )
+        return message
+    while True:
+        message = await next_buffered(ps)
+        if message is not None:
+            return message
+        await parser.read_from_socket()  # type: ignore[no-untyped-call]
 
 
 async def next_buffered(ps: Any) -> dict[str, Any] | None:

@@ -213,14 +213,17 @@ async def test_a_burst_of_bells_wakes_every_wait_with_its_own_answer(
         await began_waiting(agent, p.thread_id, p.prompt_id)
     ps: Any = agent._waiter._pubsub
     reads = 0
-    read = ps.get_message
+    # Socket reads, counted where every way of reading comes (get_message, `read_message`).
+    stream = getattr(ps.connection, "_reader", None)
+    if stream is not None:
+        read = stream.read
 
-    async def counted(*args: Any, **kwargs: Any) -> Any:
-        nonlocal reads
-        reads += 1
-        return await read(*args, **kwargs)
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal reads
+            reads += 1
+            return await read(*args, **kwargs)
 
-    ps.get_message = counted
+        stream.read = counted
     words = ["yes" if i % 2 else "no" for i in range(len(prompts))]
     posts = [surface.post_item(p.thread_id, text(w)) for p, w in zip(prompts, words, strict=True)]
     await asyncio.gather(*posts)
@@ -230,6 +233,58 @@ async def test_a_burst_of_bells_wakes_every_wait_with_its_own_answer(
     ]
     if backend != "fake":  # fakeredis's connection has no hiredis reader to hand them out
         assert 0 < reads < len(prompts) / 2
+
+
+@pytest.mark.real_redis
+@pytest.mark.parametrize("health_checks", [0, 1])
+async def test_bells_are_read_off_the_parser_unless_health_checks_are_sent(
+    server: RedisServer, health_checks: int, loop_errors: list[dict[str, Any]]
+) -> None:
+    """On a real server the reader takes its bells straight off the connection's parser
+    (`read_message`: no get_message); a connection that sends health checks (only get_message
+    sends them) is read with get_message. Either way, with the sweep an hour away, every wait
+    gets its own answer, also after an idle longer than the health check interval."""
+    settings = Settings(key_prefix="pp", sweep_interval=NEVER)
+    pubsub = Redis.from_url(server.url, decode_responses=True, health_check_interval=health_checks)
+    agent = Broker(
+        Redis.from_url(server.url, decode_responses=True),
+        settings,
+        owns_client=True,
+        pubsub=pubsub,
+    )
+    surface = Broker(Redis.from_url(server.url, decode_responses=True), settings, owns_client=True)
+    gets: list[int] = []
+    try:
+        for i in range(6):
+            if i == 3:
+                await asyncio.sleep(1.3)  # idle past the interval: a health check is due
+            p = await agent.ask(f"t{i}", "approval", [APPROVAL])
+            waiting = asyncio.create_task(agent.wait(p.thread_id, p.prompt_id))
+            await began_waiting(agent, p.thread_id, p.prompt_id)
+            if i == 0:
+                gets = _count_calls(agent._waiter._pubsub, "get_message")
+            await surface.post_item(p.thread_id, text("yes" if i % 2 else "no"))
+            (answer,) = await asyncio.wait_for(waiting, 5)
+            assert answer.answer == (["Approve"] if i % 2 else ["Deny"])
+        assert agent._waiter.reconnects == 0
+        assert (len(gets) > 0) == bool(health_checks), len(gets)
+    finally:
+        await agent.aclose()
+        await surface.aclose()
+    await no_loop_errors(loop_errors)
+
+
+def _count_calls(obj: Any, name: str) -> list[int]:
+    """Patch `obj.name` (a coroutine method) to note each call in the list returned."""
+    calls: list[int] = []
+    original = getattr(obj, name)
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return await original(*args, **kwargs)
+
+    setattr(obj, name, counted)
+    return calls
 
 
 async def _all_subscribed(rig: Rig, channels: list[str]) -> bool:
