@@ -195,7 +195,9 @@ class Samples:
     floor: list[float] = field(default_factory=list)  # PUBLISH called -> the subscriber has it
     wake: list[float] = field(default_factory=list)  # post_item called -> wait() returned
     posted: list[float] = field(default_factory=list)  # post_item called -> post_item returned
-    heard: list[float] = field(default_factory=list)  # post_item called -> the waiter heard it
+    # post_item called -> the waiter had the answer: from the post's reply on one loop
+    # (`hand_over`), else from the bell
+    heard: list[float] = field(default_factory=list)
     written: list[float] = field(default_factory=list)  # post_item called -> route.lua written
     floor_written: list[float] = field(default_factory=list)  # PUBLISH called -> written
 
@@ -243,7 +245,8 @@ class Asker:
     def __init__(self, url: str, prefix: str, settle: float) -> None:
         self.broker, self.settle = _broker(url, prefix), settle
         self.heard: dict[str, float] = {}
-        # Note when the waiter hears each bell (an instance patch, only for the breakdown).
+        # Note when the waiter has each answer, from the bell or (one loop) from the post's reply
+        # (an instance patch, only for the breakdown).
         waiter = self.broker._waiter
         resolve = waiter._resolve
 
@@ -457,8 +460,8 @@ def print_wake(title: str, s: Samples, size: int) -> None:
         ("  the floor's PUBLISH written (redis-py)", s.floor_written),
         ("  post_item's route.lua written", s.written),
         ("  post_item returned (route.lua, 1 RT)", s.posted),
-        ("  the asker's waiter heard the bell", s.heard),
-        ("  heard -> wait() returned", deliver),
+        ("  the asker's waiter had the answer", s.heard),
+        ("  had it -> wait() returned", deliver),
     ]:
         print(f"     {label:46} {us(pct(xs, 50))}  {us(pct(xs, 99))}")
 

@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 
 logger = logging.getLogger("broker.waiter")
 
-__all__ = ["Reader", "Waiter", "Wake", "nothing_received"]
+__all__ = ["Reader", "Waiter", "Wake", "hand_over", "nothing_received"]
 
 #: A committed resolution: {"prompt_id", "state": "answered"|"cancelled", "answers"|"reason"}.
 Wake = dict[str, Any]
@@ -47,6 +47,29 @@ _EXPECT_MAX = 10_000
 _BACKOFF = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
 #: Seconds one get_message blocks before the reader looks around again (`read_message`).
 _READ_FOR = 5.0
+
+
+#: The Waiters of this process with a wait on each prompt, with the loop each waits on.
+_WAITING: dict[str, list[tuple[asyncio.AbstractEventLoop, Waiter]]] = {}
+
+
+def hand_over(wake: Wake) -> bool:
+    """Give a committed resolution to the waits of this process on its prompt, on the running
+    loop; True when one was woken.
+
+    For the caller holding the reply of the script that committed it (post_item's route.lua),
+    which also rang the bell with the same words: a wait on the same loop then has its answer
+    without waiting for the bell, which Redis sends after that reply. The bell, when it comes,
+    finds the wait done (`_resolve` ignores a resolved future)."""
+    waiting = _WAITING.get(wake["prompt_id"])
+    if not waiting:
+        return False
+    loop = asyncio.get_running_loop()
+    woke = False
+    for on, waiter in list(waiting):
+        if on is loop:
+            woke = waiter._resolve(wake) or woke
+    return woke
 
 
 @dataclass
@@ -131,6 +154,9 @@ class Waiter:
         fut: asyncio.Future[Wake] = asyncio.get_running_loop().create_future()
         self._waits.setdefault(prompt_id, _Wait(thread_id, channel)).futures.append(fut)
         self._hold(channel, thread_id)
+        waiting = _WAITING.setdefault(prompt_id, [])
+        entry = (asyncio.get_running_loop(), self)
+        waiting.append(entry)
         try:
             generation = await self.subscribe(channel, thread_id)
             _, expected_generation, heard = self._expected.pop(prompt_id, (channel, None, None))
@@ -141,6 +167,9 @@ class Waiter:
                 await self._reread([(thread_id, prompt_id)])
             return await fut
         finally:
+            waiting.remove(entry)
+            if not waiting and _WAITING.get(prompt_id) is waiting:
+                del _WAITING[prompt_id]
             self._forget(prompt_id, fut)
             self._release(channel)
 

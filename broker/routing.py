@@ -5,6 +5,7 @@ queues it for the next turn; and finds out what happened when the call was cut o
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from broker import events
 from broker._base import BrokerBase, _new_id, _reaching
 from broker._scripts import slot_node
+from broker._waiter import hand_over
 from broker.checks import _check_item, _check_surface, _CheckedItem, _epoch, _idempotency
 from broker.errors import (
     BadItem,
@@ -112,6 +114,12 @@ class Routing(BrokerBase):
         if status != "answered":
             return Routed(outcome=status, item_id=rest[0])
         item_id, prompt_id, answers, source, refusal = rest
+        if not repeated and hand_over(
+            {"prompt_id": prompt_id, "state": "answered", "answers": orjson.loads(answers)}
+        ):
+            # A wait on this loop had its answer from the reply (the bell comes after it): one
+            # turn of the loop lets the woken agent run before this caller's own bookkeeping.
+            await asyncio.sleep(0)
         if repeated:
             return _answered(item_id, prompt_id, answers, source, refusal)
         if not events_key:

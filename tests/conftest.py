@@ -452,6 +452,14 @@ BrokerFactory = Callable[..., Awaitable[Broker]]
 
 
 @pytest.fixture
+def surfaces_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Posts hand no answer to the waits on their own loop (broker/_waiter.py `hand_over`): the
+    test's surface Broker stands for a surface in another process, so only the bell, the
+    re-reads and the sweep can wake a wait, as they must there."""
+    monkeypatch.setattr("broker.routing.hand_over", lambda _wake: False)
+
+
+@pytest.fixture
 async def make_broker(
     make_client: ClientFactory, settings: Settings
 ) -> AsyncIterator[BrokerFactory]:

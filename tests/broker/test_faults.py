@@ -13,7 +13,8 @@ from broker import Broker, Settings
 from tests.conftest import RedisServer
 from tests.helpers import began_waiting, text, until
 
-pytestmark = pytest.mark.real_redis
+# The surface Broker stands for another process: only bells and re-reads wake the waits.
+pytestmark = [pytest.mark.real_redis, pytest.mark.usefixtures("surfaces_apart")]
 
 APPROVAL = {"question": "Deploy?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
 

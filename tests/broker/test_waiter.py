@@ -28,6 +28,9 @@ from tests.helpers import began_waiting, numsub, text, until
 APPROVAL = {"question": "Deploy?", "options": [{"label": "Approve"}, {"label": "Deny"}]}
 NEVER = 3600.0  # a sweep interval far beyond every test's time limit
 
+# The surface Brokers stand for other processes: a post hands no answer over on its own loop.
+pytestmark = pytest.mark.usefixtures("surfaces_apart")
+
 
 @pytest.fixture
 async def loop_errors() -> AsyncIterator[list[dict[str, Any]]]:
