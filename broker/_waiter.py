@@ -53,22 +53,26 @@ _READ_FOR = 5.0
 _WAITING: dict[str, list[tuple[asyncio.AbstractEventLoop, Waiter]]] = {}
 
 
-def hand_over(wake: Wake) -> bool:
-    """Give a committed resolution to the waits of this process on its prompt, on the running
-    loop; True when one was woken.
+def hand_over(prompt_id: str, answers: str) -> bool:
+    """Give a prompt's committed answers (`answers`: their JSON) to the waits of this process
+    on it, on the running loop; True when one was woken.
 
-    For the caller holding the reply of the script that committed it (post_item's route.lua),
-    which also rang the bell with the same words: a wait on the same loop then has its answer
-    without waiting for the bell, which Redis sends after that reply. The bell, when it comes,
-    finds the wait done (`_resolve` ignores a resolved future)."""
-    waiting = _WAITING.get(wake["prompt_id"])
+    For the caller holding the reply of the script that committed them (post_item's
+    route.lua), which also rang the bell with the same words: a wait on the same loop then has
+    its answer without waiting for the bell, which Redis sends after that reply. The bell, when
+    it comes, finds the wait done (`_resolve` ignores a resolved future). Nothing is decoded
+    when no wait of this process is on the prompt."""
+    waiting = _WAITING.get(prompt_id)
     if not waiting:
         return False
     loop = asyncio.get_running_loop()
+    mine = [waiter for on, waiter in waiting if on is loop]
+    if not mine:
+        return False
+    wake: Wake = {"prompt_id": prompt_id, "state": "answered", "answers": orjson.loads(answers)}
     woke = False
-    for on, waiter in list(waiting):
-        if on is loop:
-            woke = waiter._resolve(wake) or woke
+    for waiter in mine:
+        woke = waiter._resolve(wake) or woke
     return woke
 
 

@@ -114,9 +114,7 @@ class Routing(BrokerBase):
         if status != "answered":
             return Routed(outcome=status, item_id=rest[0])
         item_id, prompt_id, answers, source, refusal = rest
-        if not repeated and hand_over(
-            {"prompt_id": prompt_id, "state": "answered", "answers": orjson.loads(answers)}
-        ):
+        if not repeated and hand_over(prompt_id, answers):
             # A wait on this loop had its answer from the reply (the bell comes after it): one
             # turn of the loop lets the woken agent run before this caller's own bookkeeping.
             await asyncio.sleep(0)

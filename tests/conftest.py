@@ -456,7 +456,7 @@ def surfaces_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """Posts hand no answer to the waits on their own loop (broker/_waiter.py `hand_over`): the
     test's surface Broker stands for a surface in another process, so only the bell, the
     re-reads and the sweep can wake a wait, as they must there."""
-    monkeypatch.setattr("broker.routing.hand_over", lambda _wake: False)
+    monkeypatch.setattr("broker.routing.hand_over", lambda _prompt_id, _answers: False)
 
 
 @pytest.fixture

@@ -49,7 +49,7 @@ async def test_an_answer_posted_on_the_waits_loop_wakes_it_before_post_item_retu
         (answer,) = await asyncio.wait_for(task, 5)
         assert answer.answer == ["Approve"]
     assert p.prompt_id not in _WAITING
-    assert hand_over({"prompt_id": p.prompt_id, "state": "answered", "answers": []}) is False
+    assert hand_over(p.prompt_id, "[]") is False
 
 
 async def test_a_wait_on_another_event_loop_is_left_to_its_bell() -> None:
@@ -65,12 +65,11 @@ async def test_a_wait_on_another_event_loop_is_left_to_its_bell() -> None:
     other = asyncio.new_event_loop()
     try:
         _WAITING["prm_other"] = [(other, Stub())]  # type: ignore[list-item]
-        wake = {"prompt_id": "prm_other", "state": "answered", "answers": []}
-        assert hand_over(wake) is False
+        assert hand_over("prm_other", "[]") is False
         assert resolved == []
         _WAITING["prm_other"].append((asyncio.get_running_loop(), Stub()))  # type: ignore[arg-type]
-        assert hand_over(wake) is True
-        assert resolved == [wake]
+        assert hand_over("prm_other", "[]") is True
+        assert resolved == [{"prompt_id": "prm_other", "state": "answered", "answers": []}]
     finally:
         _WAITING.pop("prm_other", None)
         other.close()
