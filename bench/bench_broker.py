@@ -871,7 +871,7 @@ class Load:
     seconds: float
     prefix: str
     queue_url: str = ""  # arq's queue on a redis-server of its own (PROMPT_BROKER_QUEUE_URL)
-    threads: int = 20  # threads each client process drives at once
+    threads: int = field(kw_only=True)  # threads each client process drives at once
 
 
 def _throughput_process(conn: PipeEnd, load: Load, name: str) -> None:
@@ -926,7 +926,7 @@ def lifecycles_per_second(
     started: Callable[[], None] = lambda: None,
     *,
     queue_url: str = "",
-    threads: int = 20,
+    threads: int,
     ended: Callable[[], None] = lambda: None,
 ) -> float:
     """Every process drives its threads for `seconds`, all from one go (`started` is called
@@ -939,7 +939,7 @@ def lifecycles_per_second(
     pipes = []
     for i in range(processes):
         parent, child = ctx.Pipe()
-        load = Load(url, cluster, seconds, prefix, queue_url, threads)
+        load = Load(url, cluster, seconds, prefix, queue_url, threads=threads)
         proc = ctx.Process(target=_throughput_process, args=(child, load, f"{prefix}-p{i}"))
         proc.start()
         pipes.append((parent, proc))
@@ -980,7 +980,7 @@ class Shard:
     cluster: bool
     primaries: list[int]
     queue: RedisServer | None = None
-    threads: int = 20  # each client process's threads
+    threads: int = field(kw_only=True)  # each client process's threads
     lifecycles: int = 0
     seconds: float = 0.0
     cpu: list[float] = field(default_factory=list)  # each primary's CPU seconds
@@ -1148,12 +1148,22 @@ def bench_cluster(
     _print_capacity(by_load)
 
 
+#: The cluster figure's setups, in the order each load's list of Shards holds them: the lone
+#: server, one primary and three with arq's queue in the cluster, then both with the queue on a
+#: server of its own.
+SETUPS = ("alone", "one", "three", "one_q", "three_q")
+
+
+def _setups(shards: list[Shard]) -> dict[str, Shard]:
+    return dict(zip(SETUPS, shards, strict=True))
+
+
 def _print_cluster(
     shards: list[Shard], processes: int, seconds: float, redis_cpu: float | None, rounds: int
 ) -> None:
     from cpu_cap import quota_percent
 
-    alone, one, three, one_q, three_q = shards
+    alone, one, three, one_q, three_q = (_setups(shards)[name] for name in SETUPS)
     cap = (
         f"each redis-server held to {quota_percent(redis_cpu):g}% of one CPU (a cgroup quota)"
         if redis_cpu
@@ -1199,11 +1209,14 @@ def _print_capacity(by_load: dict[int, list[Shard]]) -> None:
         f"({', '.join(str(n) for n in by_load)} threads per client process)"
     )
 
-    def best(i: int) -> Shard:
-        return max((shards[i] for shards in by_load.values()), key=lambda s: s.rate)
+    def best(name: str) -> Shard:
+        return max((_setups(shards)[name] for shards in by_load.values()), key=lambda s: s.rate)
 
-    for where, i, j in (("in the cluster", 1, 2), ("on its own server", 3, 4)):
-        a, b = best(i), best(j)
+    for where, one, three in (
+        ("in the cluster", "one", "three"),
+        ("on its own server", "one_q", "three_q"),
+    ):
+        a, b = best(one), best(three)
         ratio = b.rate / a.rate
         print(
             f"   arq's queue {where}: one primary {a.rate:,.0f}/s (at {a.threads}), three "
