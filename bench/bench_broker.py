@@ -1163,7 +1163,7 @@ def _print_cluster(
 ) -> None:
     from cpu_cap import quota_percent
 
-    alone, one, three, one_q, three_q = (_setups(shards)[name] for name in SETUPS)
+    alone, one, three, one_q, three_q = _setups(shards).values()
     cap = (
         f"each redis-server held to {quota_percent(redis_cpu):g}% of one CPU (a cgroup quota)"
         if redis_cpu
